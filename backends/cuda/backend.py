@@ -1,0 +1,231 @@
+"""The CUDA backend: the driver's virtual memory management API via `cuda.bindings.driver`.
+
+The four VMM steps map one to one: `cuMemAddressReserve` (address space only),
+`cuMemCreate` (physical memory, a "generic allocation handle"), `cuMemMap` followed by
+`cuMemSetAccess` (nothing can touch a mapping until access is granted), and the
+reverse `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`.
+
+Costs that shape this file (measured on an H200, see docs/): the driver's price is per
+handle, not per byte. `cuMemSetAccess` is the dominant call, so a batch grants access
+once per contiguous run of freshly mapped pages instead of once per page, and unmaps
+coalesce contiguous mappings into one `cuMemUnmap`. `cuMemMap` of a handle at a
+non-zero offset is unsupported, so a page is always mapped whole.
+
+Contexts: we use the device's *primary* context, the one torch and every runtime-API
+library share, retained when the backend is created and made current lazily in each
+thread that calls the driver (threads start with no current context). Detection
+(`unavailable_reason`) goes through NVML instead of the driver: `cuInit` in a parent
+process breaks CUDA in every child it forks afterwards, and engines fork workers after
+importing us.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvcached.backend import Backend, Page
+from kvcached.backends.cuda.detect import cuda_unavailable_reason
+from kvcached.config import settings
+from kvcached.errors import BackendUnavailable, DriverError, InvalidArgument, OutOfMemory
+from kvcached.views import device_tensor
+
+
+class CudaBackend(Backend):
+    """NVIDIA GPUs through CUDA VMM; views are `torch` tensors on `cuda:N`."""
+
+    name = "cuda"
+
+    def __init__(self, *, memory_limit: int | None = None, device: int | None = None) -> None:
+        super().__init__(memory_limit=memory_limit)
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailable(f"cuda backend: {reason}")
+        from cuda.bindings import driver
+
+        self._driver = driver
+        self._ordinal = settings().device if device is None else device
+        self._check(driver.cuInit(0), "cuInit")
+        count = self._check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= self._ordinal < count:
+            raise InvalidArgument(
+                f"CUDA device {self._ordinal} does not exist; this machine has {count} "
+                f"(valid: 0..{count - 1}; set KVCACHED_DEVICE)"
+            )
+        self._cu_device = self._check(driver.cuDeviceGet(self._ordinal), "cuDeviceGet")
+        vmm = self._check(
+            driver.cuDeviceGetAttribute(
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                self._cu_device,
+            ),
+            "cuDeviceGetAttribute",
+        )
+        if not vmm:
+            raise BackendUnavailable(
+                f"CUDA device {self._ordinal} does not support virtual memory management"
+            )
+        self._context = self._check(
+            driver.cuDevicePrimaryCtxRetain(self._cu_device), "cuDevicePrimaryCtxRetain"
+        )
+        self._thread = threading.local()
+        self._make_current()
+
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self._ordinal
+        prop.requestedHandleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        self._prop = prop
+        self._granularity = int(
+            self._check(
+                driver.cuMemGetAllocationGranularity(
+                    prop,
+                    driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
+        access = driver.CUmemAccessDesc()
+        access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self._ordinal
+        access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+        self._oom = driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        self._success = driver.CUresult.CUDA_SUCCESS
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return cuda_unavailable_reason()
+
+    # ---------------------------------------------------------------- helpers
+    def _check(self, result: Any, api: str) -> Any:
+        """Unpack a cuda-bindings (CUresult, value...) tuple or raise a typed error."""
+        err, *values = result
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            self._raise(err, api)
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _raise(self, err: Any, api: str) -> None:
+        driver = self._driver
+        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            raise OutOfMemory(f"{api}: the CUDA device is out of memory")
+        status, name = driver.cuGetErrorName(err)
+        text = name.decode() if status == driver.CUresult.CUDA_SUCCESS else str(err)
+        raise DriverError(api, int(err), text)
+
+    def _make_current(self) -> None:
+        if getattr(self._thread, "current", False):
+            return
+        self._check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        self._thread.current = True
+
+    # ------------------------------------------------------------ device facts
+    @property
+    def granularity(self) -> int:
+        return self._granularity
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self._ordinal}"
+
+    def mem_info(self) -> tuple[int, int]:
+        self._make_current()
+        free, total = self._check(self._driver.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def describe(self) -> dict[str, Any]:
+        import importlib.metadata
+
+        driver = self._driver
+        info = super().describe()
+        name = self._check(driver.cuDeviceGetName(256, self._cu_device), "cuDeviceGetName")
+        info["device_name"] = name.split(b"\0", 1)[0].decode()
+        attr = driver.CUdevice_attribute
+        major = self._check(
+            driver.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._cu_device
+            ),
+            "cuDeviceGetAttribute",
+        )
+        minor = self._check(
+            driver.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._cu_device
+            ),
+            "cuDeviceGetAttribute",
+        )
+        info["compute_capability"] = f"{major}.{minor}"
+        version = int(self._check(driver.cuDriverGetVersion(), "cuDriverGetVersion"))
+        info["versions"] = {
+            "cuda_driver_api": f"{version // 1000}.{version % 1000 // 10}",
+            "cuda-bindings": importlib.metadata.version("cuda-bindings"),
+        }
+        return info
+
+    # ------------------------------------------------------------ primitives
+    def _reserve(self, nbytes: int) -> int:
+        self._make_current()
+        ptr = self._check(
+            self._driver.cuMemAddressReserve(nbytes, self._granularity, 0, 0),
+            "cuMemAddressReserve",
+        )
+        return int(ptr)
+
+    def _free(self, address: int, nbytes: int) -> None:
+        self._make_current()
+        self._check(self._driver.cuMemAddressFree(address, nbytes), "cuMemAddressFree")
+
+    def _create(self, nbytes: int) -> Any:
+        self._make_current()
+        return self._check(self._driver.cuMemCreate(nbytes, self._prop, 0), "cuMemCreate")
+
+    def _release(self, handle: Any, nbytes: int) -> None:
+        self._make_current()
+        self._check(self._driver.cuMemRelease(handle), "cuMemRelease")
+
+    def _map_batch(self, items: Sequence[tuple[int, Page]]) -> None:
+        self._make_current()
+        driver, success = self._driver, self._success
+        done: list[tuple[int, int]] = []
+        try:
+            for address, page in items:
+                (err,) = driver.cuMemMap(address, page.nbytes, 0, page.handle, 0)
+                if err != success:
+                    self._raise(err, "cuMemMap")
+                done.append((address, page.nbytes))
+            for start, length in _contiguous_runs(done):
+                (err,) = driver.cuMemSetAccess(start, length, self._access, 1)
+                if err != success:
+                    self._raise(err, "cuMemSetAccess")
+        except BaseException:
+            self._unmap_batch(done)
+            raise
+
+    def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self._make_current()
+        driver, success = self._driver, self._success
+        for start, length in _contiguous_runs(ranges):
+            (err,) = driver.cuMemUnmap(start, length)
+            if err != success:
+                self._raise(err, "cuMemUnmap")
+
+    def _view(self, address: int, nbytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        return device_tensor(address, nbytes, shape, dtype, self.device)
+
+    def _close_device(self) -> None:
+        if self._context is not None:
+            self._driver.cuDevicePrimaryCtxRelease(self._cu_device)
+            self._context = None
+
+
+def _contiguous_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge (address, nbytes) ranges that touch end to start, in the order given."""
+    runs: list[tuple[int, int]] = []
+    for address, nbytes in ranges:
+        if runs and runs[-1][0] + runs[-1][1] == address:
+            runs[-1] = (runs[-1][0], runs[-1][1] + nbytes)
+        else:
+            runs.append((address, nbytes))
+    return runs

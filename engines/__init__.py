@@ -1,0 +1,1 @@
+"""Engine adapters, one folder each; each imports its engine lazily."""

@@ -1,0 +1,36 @@
+"""The budget seam between the page allocator and whoever keeps the books.
+
+The allocator charges physical bytes to a `BudgetAccount` *before* it creates pages
+and refunds them if creation fails or when pages are released. In a single process
+that account can be a plain counter; across processes it is a row of the shared
+ledger (`kvcached.ledger`), so co-located instances never race each other into a
+driver out-of-memory.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class BudgetAccount(Protocol):
+    """One instance's share of a device budget."""
+
+    def try_charge(self, nbytes: int) -> bool:
+        """Charge `nbytes` of physical memory to this instance if both its own limit and
+        the device budget allow it; return False (charging nothing) otherwise."""
+        ...
+
+    def refund(self, nbytes: int) -> None:
+        """Give back bytes charged earlier (pages released, or a failed creation)."""
+        ...
+
+    def set_used(self, nbytes: int) -> None:
+        """Report the bytes that hold live blocks now (for kvctl/kvtop and metrics)."""
+        ...
+
+    @property
+    def limit(self) -> int | None:
+        """This instance's current limit in bytes (None: only the budget bounds it).
+        It may change at any time (kvctl limit); the allocator follows it."""
+        ...

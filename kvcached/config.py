@@ -1,0 +1,107 @@
+"""Every KVCACHED_* environment variable, typed and validated, in one place.
+
+Read through `settings()`, which parses the environment once per process (and again
+after `reload_settings()`, which tests use). pydantic-settings does the parsing and
+gives every bad value an error that names the variable and what it accepts; it is
+imported on first use only, so `import kvcached` stays fast.
+
+Sizes are written the usual ways ("8GiB", "512MiB", "1.5GB", a plain byte count) and
+some also accept a percentage of a total ("40%").
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import TYPE_CHECKING, Any
+
+from kvcached.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from pydantic_settings import BaseSettings
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def parse_size(value: str | int, *, total: int | None = None, what: str = "size") -> int:
+    """Bytes for "8GiB", "1.5GB", "4096" or, when `total` is given, "40%" of it."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be a size, got {value!r}")
+    if isinstance(value, int):
+        nbytes = value
+    else:
+        match = _PERCENT.match(value)
+        if match:
+            if total is None:
+                raise InvalidArgument(f"{what} {value!r}: a percentage is not accepted here")
+            percent = float(match.group(1))
+            if not 0 < percent <= 100:
+                raise InvalidArgument(f"{what} {value!r}: a percentage must be in (0, 100]")
+            return int(total * percent / 100)
+        from pydantic import ByteSize, TypeAdapter, ValidationError
+
+        try:
+            nbytes = int(TypeAdapter(ByteSize).validate_python(value.strip()))
+        except ValidationError:
+            accepted = "a byte count, or a number with a unit (KiB, MiB, GiB, KB, MB, GB, ...)"
+            if total is not None:
+                accepted += ", or a percentage such as '40%'"
+            raise InvalidArgument(f"{what} {value!r} is not a size; accepted: {accepted}") from None
+    if nbytes <= 0:
+        raise InvalidArgument(f"{what} must be positive, got {value!r}")
+    return nbytes
+
+
+def _settings_class() -> type[BaseSettings]:
+    from pydantic import Field, field_validator
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class Settings(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix="KVCACHED_", extra="ignore")
+
+        backend: str | None = Field(
+            default=None,
+            description="Backend to use (cuda, rocm, mlx, host, or a third party's); "
+            "auto-detected when unset.",
+        )
+        device: int = Field(
+            default=0, ge=0, description="Accelerator ordinal the backend drives."
+        )
+        host_budget: str | None = Field(
+            default=None,
+            description="Physical memory the host backend may create: a size or a "
+            "percentage of available RAM. Default: all available RAM.",
+        )
+        host_granularity: str = Field(
+            default="2MiB",
+            description="Page granularity of the host backend (a multiple of the OS page).",
+        )
+
+        @field_validator("backend")
+        @classmethod
+        def _normalise_backend(cls, value: str | None) -> str | None:
+            if value is None or not value.strip():
+                return None
+            return value.strip().lower()
+
+    return Settings
+
+
+@functools.cache
+def settings() -> Any:
+    """The process's validated settings; raises InvalidArgument naming a bad variable."""
+    from pydantic import ValidationError
+
+    try:
+        return _settings_class()()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"KVCACHED_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise InvalidArgument(f"invalid kvcached environment: {problems}") from None
+
+
+def reload_settings() -> None:
+    """Forget the parsed environment, so the next `settings()` reads it again."""
+    settings.cache_clear()

@@ -1,0 +1,112 @@
+"""Finding backends and choosing one.
+
+Backends, ours included, register under the entry-point group `kvcached.backends`
+(`name = "package.module:BackendClass"`), so a third party adds one by installing a
+package and never touches this repository.
+
+Choice: `KVCACHED_BACKEND` when set (a name that is unknown or cannot run here is an
+error listing what can), else the first built-in in `AUTO_ORDER` whose
+`unavailable_reason()` is None and that accepts automatic selection. Third-party
+backends are used only when named: an installed plug-in must not silently take over
+a machine's memory. Nothing here runs at `import kvcached`; the first call resolves.
+"""
+
+from __future__ import annotations
+
+import threading
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
+
+from kvcached.errors import BackendUnavailable, InvalidArgument
+
+if TYPE_CHECKING:
+    from kvcached.backend import Backend
+
+ENTRY_POINT_GROUP = "kvcached.backends"
+AUTO_ORDER = ("cuda", "rocm", "mlx", "host")
+
+_instances: dict[str, Backend] = {}
+_lock = threading.Lock()
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name, built-ins in detection order first."""
+    names = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return [n for n in AUTO_ORDER if n in names] + sorted(names - set(AUTO_ORDER))
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as `name`; InvalidArgument lists the names that exist."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
+        cls = ep.load()
+        from kvcached.backend import Backend
+
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise InvalidArgument(
+                f"entry point {ep.value!r} registered as backend {name!r} is not a "
+                "kvcached.backend.Backend subclass"
+            )
+        return cls
+    raise InvalidArgument(
+        f"unknown kvcached backend {name!r}; registered backends: "
+        f"{', '.join(backend_names()) or 'none (is kvcached installed?)'}"
+    )
+
+
+def availability() -> dict[str, str | None]:
+    """name -> None when usable here, else the reason it is not."""
+    report: dict[str, str | None] = {}
+    for name in backend_names():
+        try:
+            report[name] = backend_class(name).unavailable_reason()
+        except Exception as exc:  # a broken plug-in must not hide the others
+            report[name] = f"failed to load: {exc}"
+    return report
+
+
+def resolve_name(requested: str | None = None) -> str:
+    """The backend to use: `requested`, else KVCACHED_BACKEND, else auto-detection."""
+    from kvcached.config import settings
+
+    name = requested or settings().backend
+    if name:
+        reason = backend_class(name).unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailable(
+                f"kvcached backend {name!r} is unavailable: {reason}. "
+                f"Available here: {', '.join(_available_names()) or 'none'}"
+            )
+        return name
+    for candidate in AUTO_ORDER:
+        try:
+            cls = backend_class(candidate)
+        except InvalidArgument:
+            continue
+        if cls.unavailable_reason() is None and cls.auto_selectable():
+            return candidate
+    raise BackendUnavailable(
+        f"no kvcached backend is available; reasons: {availability()}"
+    )
+
+
+def _available_names() -> list[str]:
+    return [name for name, reason in availability().items() if reason is None]
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The process-wide instance of the resolved backend, created on first use."""
+    resolved = resolve_name(name)
+    with _lock:
+        instance = _instances.get(resolved)
+        if instance is None or instance.closed:
+            instance = backend_class(resolved)()
+            _instances[resolved] = instance
+        return instance
+
+
+def reset() -> None:
+    """Close and forget the cached instances (tests, and after KVCACHED_BACKEND changes)."""
+    with _lock:
+        for instance in _instances.values():
+            instance.close()
+        _instances.clear()
