@@ -26,7 +26,6 @@ short backend-wide lock that is never held across a driver call.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -39,16 +38,20 @@ UnmapRequest = tuple[int, int]
 
 
 class Reservation:
-    """A reserved virtual address range of `nbytes`; holds no physical memory by itself."""
+    """A reserved virtual address range of `nbytes`; holds no physical memory by itself.
 
-    __slots__ = ("backend", "address", "nbytes", "_starts", "_mappings", "_lock", "_closed")
+    Bookkeeping is per granule: `_occupied[i]` is 1 while granule i is mapped, so an
+    overlap check is one `bytearray.find` whatever the number of mappings, and
+    `_mappings` maps each mapping's start offset to its page."""
+
+    __slots__ = ("_closed", "_lock", "_mappings", "_occupied", "address", "backend", "nbytes")
 
     def __init__(self, backend: Backend, address: int, nbytes: int) -> None:
         self.backend = backend
         self.address = address
         self.nbytes = nbytes
-        self._starts: list[int] = []  # sorted offsets of the mappings
-        self._mappings: dict[int, Page] = {}  # offset -> page mapped there
+        self._mappings: dict[int, Page] = {}  # start offset -> page mapped there
+        self._occupied = bytearray(nbytes // backend._g)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -63,24 +66,16 @@ class Reservation:
     def mappings(self) -> list[tuple[int, Page]]:
         """(offset, page) for every current mapping, in address order."""
         with self._lock:
-            return [(offset, self._mappings[offset]) for offset in self._starts]
+            return sorted(self._mappings.items(), key=lambda item: item[0])
 
     def is_mapped(self, offset: int, nbytes: int) -> bool:
         """True when every byte of [offset, offset + nbytes) is backed by a mapping."""
+        g = self.backend._g
+        first, last = offset // g, (offset + nbytes + g - 1) // g
+        if offset < 0 or nbytes <= 0 or last > len(self._occupied):
+            return False
         with self._lock:
-            end = offset + nbytes
-            i = bisect.bisect_right(self._starts, offset) - 1
-            cursor = offset
-            while cursor < end:
-                if i < 0 or i >= len(self._starts):
-                    return False
-                start = self._starts[i]
-                stop = start + self._mappings[start].nbytes
-                if not start <= cursor < stop:
-                    return False
-                cursor = stop
-                i += 1
-            return True
+            return self._occupied.find(0, first, last) == -1
 
     def close(self) -> None:
         self.backend.free(self)
@@ -93,7 +88,7 @@ class Reservation:
             self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._starts)} mappings"
+        state = "closed" if self._closed else f"{len(self._mappings)} mappings"
         return (
             f"Reservation({self.backend.name}, address={self.address:#x}, "
             f"nbytes={self.nbytes}, {state})"
@@ -101,15 +96,21 @@ class Reservation:
 
 
 class Page:
-    """A physical allocation of `nbytes` that can be mapped into reservations."""
+    """A physical allocation of `nbytes` that can be mapped into reservations.
 
-    __slots__ = ("backend", "handle", "nbytes", "_mapped_count", "_closed")
+    `_mapped_in` lists the reservations it is mapped into (once per mapping). Appending
+    to and removing from a list are atomic, so the map and unmap paths need no lock of
+    their own for it; `release` closes the page first and then checks the list, and
+    `map` appends first and then checks `_closed`, so the two can never both succeed."""
+
+    __slots__ = ("_closed", "_granules", "_mapped_in", "backend", "handle", "nbytes")
 
     def __init__(self, backend: Backend, handle: Any, nbytes: int) -> None:
         self.backend = backend
         self.handle = handle
         self.nbytes = nbytes
-        self._mapped_count = 0
+        self._granules = nbytes // backend._g
+        self._mapped_in: list[Reservation] = []
         self._closed = False
 
     @property
@@ -118,7 +119,7 @@ class Page:
 
     @property
     def mapped_count(self) -> int:
-        return self._mapped_count
+        return len(self._mapped_in)
 
     def close(self) -> None:
         self.backend.release(self)
@@ -131,7 +132,7 @@ class Page:
             self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"mapped {self._mapped_count}x"
+        state = "closed" if self._closed else f"mapped {len(self._mapped_in)}x"
         return f"Page({self.backend.name}, nbytes={self.nbytes}, {state})"
 
 
@@ -144,9 +145,7 @@ class Backend(ABC):
     def __init__(self, *, memory_limit: int | None = None) -> None:
         """`memory_limit` caps the physical bytes this instance may hold at once (on top
         of what the device has); creating past it raises OutOfMemory."""
-        if memory_limit is not None and (
-            not isinstance(memory_limit, int) or memory_limit <= 0
-        ):
+        if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
             raise InvalidArgument(f"memory_limit must be a positive int, got {memory_limit!r}")
         self.memory_limit = memory_limit
         self._created_bytes = 0
@@ -232,10 +231,32 @@ class Backend(ABC):
     def _view(self, address: int, nbytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A zero-copy framework array over [address, address + nbytes)."""
 
-    def _close_device(self) -> None:
+    def _map_one(self, address: int, page: Page) -> None:
+        """`_map_batch` of one page; backends override it when one call is cheaper."""
+        self._map_batch(((address, page),))
+
+    def _unmap_one(self, address: int, nbytes: int) -> None:
+        """`_unmap_batch` of one mapping; backends override it when one call is cheaper."""
+        self._unmap_batch(((address, nbytes),))
+
+    def _close_device(self) -> None:  # noqa: B027 - optional hook, most backends need it
         """Drop device handles (contexts, file descriptors) once everything is returned."""
 
     # ------------------------------------------------------------- public API
+    def __getattr__(self, name: str) -> Any:
+        # `_g` is the granularity as a plain instance attribute, set on first read: the
+        # map path reads it on every call, and a property would cost a function call.
+        if name == "_g":
+            g = int(self.granularity)
+            self.__dict__["_g"] = g
+            return g
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def synchronize(self) -> None:  # noqa: B027 - a no-op where writes are synchronous
+        """Wait for device work that may still touch mapped memory. `unmap` does not
+        wait (a driver unmap under a running kernel is the caller's bug, as with
+        cuMemUnmap), so whoever unmaps memory that kernels used calls this first."""
+
     def reserve(self, nbytes: int) -> Reservation:
         """Reserve a virtual range of `nbytes` (a multiple of granularity)."""
         self._check_open()
@@ -249,9 +270,9 @@ class Backend(ABC):
         """Give a reservation back. It must have no mappings left."""
         self._check_reservation(reservation)
         with reservation._lock:
-            if reservation._starts:
+            if reservation._mappings:
                 raise InvalidArgument(
-                    f"cannot free {reservation!r}: {len(reservation._starts)} mappings are "
+                    f"cannot free {reservation!r}: {len(reservation._mappings)} mappings are "
                     "still in it; unmap them first"
                 )
             self._free(reservation.address, reservation.nbytes)
@@ -290,12 +311,13 @@ class Backend(ABC):
         """Release a page. It must not be mapped anywhere."""
         self._check_page(page)
         with self._state_lock:
-            if page._mapped_count:
+            page._closed = True  # first: a map that starts from here on sees it closed
+            if page._mapped_in:
+                page._closed = False
                 raise InvalidArgument(
-                    f"cannot release {page!r}: it is still mapped {page._mapped_count} "
+                    f"cannot release {page!r}: it is still mapped {len(page._mapped_in)} "
                     "time(s); unmap it first"
                 )
-            page._closed = True  # claimed: no map can start on it from here on
             self._pages.discard(page)
         try:
             self._release(page.handle, page.nbytes)
@@ -308,8 +330,44 @@ class Backend(ABC):
             self._created_bytes -= page.nbytes
 
     def map(self, reservation: Reservation, offset: int, page: Page) -> None:
-        """Map `page` at `offset` in `reservation`, readable and writable."""
-        self.map_many(reservation, ((offset, page),))
+        """Map `page` at `offset` in `reservation`, readable and writable.
+
+        The per-page path of a growing cache, kept lean: a driver map costs tens of
+        microseconds, and what kvcached adds must stay within a few percent of that.
+        Anything unusual falls through to `map_many`, which raises the precise error."""
+        g = self._g
+        if (
+            reservation.__class__ is not Reservation
+            or page.__class__ is not Page
+            or reservation.backend is not self
+            or page.backend is not self
+            or offset.__class__ is not int
+            or offset < 0
+            or offset % g
+        ):
+            self.map_many(reservation, ((offset, page),))
+            return
+        first = offset // g
+        last = first + page._granules
+        occupied = reservation._occupied
+        with reservation._lock:
+            if reservation._closed or last > len(occupied) or occupied.find(1, first, last) >= 0:
+                raise self._map_error(reservation, offset, page)
+            mapped_in = page._mapped_in
+            mapped_in.append(reservation)
+            if page._closed:
+                mapped_in.remove(reservation)
+                raise InvalidArgument(f"{page!r} was released; it cannot be mapped")
+            try:
+                self._map_one(reservation.address + offset, page)
+            except BaseException:
+                mapped_in.remove(reservation)
+                raise
+            if last - first == 1:
+                occupied[first] = 1
+            else:
+                occupied[first:last] = b"\x01" * (last - first)
+            reservation._mappings[offset] = page
 
     def map_many(self, reservation: Reservation, items: Iterable[MappingRequest]) -> None:
         """Map several (offset, page) pairs into one reservation; all or nothing."""
@@ -317,25 +375,44 @@ class Backend(ABC):
         requests = list(items)
         with reservation._lock:
             planned = self._plan_maps(reservation, requests)
-            with self._state_lock:
+            added: list[Page] = []
+            try:
                 for _, page in requests:
+                    page._mapped_in.append(reservation)
+                    added.append(page)
                     if page._closed:
                         raise InvalidArgument(f"{page!r} was released; it cannot be mapped")
-                for _, page in requests:
-                    page._mapped_count += 1
-            try:
                 self._map_batch(planned)
             except BaseException:
-                with self._state_lock:
-                    for _, page in requests:
-                        page._mapped_count -= 1
+                for page in added:
+                    page._mapped_in.remove(reservation)
                 raise
+            g = self._g
             for offset, page in requests:
-                bisect.insort(reservation._starts, offset)
+                reservation._occupied[offset // g : offset // g + page._granules] = (
+                    b"\x01" * page._granules
+                )
                 reservation._mappings[offset] = page
 
     def unmap(self, reservation: Reservation, offset: int, nbytes: int) -> None:
-        """Unmap [offset, offset + nbytes): it must cover whole mappings, with no gaps."""
+        """Unmap [offset, offset + nbytes): it must cover whole mappings, with no gaps.
+
+        Device work still using the range must be finished (see `synchronize`)."""
+        if reservation.__class__ is Reservation and reservation.backend is self:
+            with reservation._lock:
+                page = reservation._mappings.get(offset)
+                if page is not None and page.nbytes == nbytes and not reservation._closed:
+                    self._unmap_one(reservation.address + offset, nbytes)  # one whole mapping
+                    del reservation._mappings[offset]
+                    first = offset // self._g
+                    if page._granules == 1:
+                        reservation._occupied[first] = 0
+                    else:
+                        reservation._occupied[first : first + page._granules] = bytes(
+                            page._granules
+                        )
+                    page._mapped_in.remove(reservation)
+                    return
         self.unmap_many(reservation, ((offset, nbytes),))
 
     def unmap_many(self, reservation: Reservation, ranges: Iterable[UnmapRequest]) -> None:
@@ -347,15 +424,14 @@ class Backend(ABC):
                 covered.extend(self._mappings_covering(reservation, offset, nbytes))
             if len(set(covered)) != len(covered):
                 raise InvalidArgument("unmap ranges overlap each other")
-            base = reservation.address
-            self._unmap_batch(
-                [(base + start, reservation._mappings[start].nbytes) for start in covered]
-            )
-            with self._state_lock:
-                for start in covered:
-                    reservation._mappings.pop(start)._mapped_count -= 1
+            mappings, base, g = reservation._mappings, reservation.address, self._g
+            self._unmap_batch([(base + start, mappings[start].nbytes) for start in covered])
             for start in covered:
-                del reservation._starts[bisect.bisect_left(reservation._starts, start)]
+                page = mappings.pop(start)
+                reservation._occupied[start // g : start // g + page._granules] = bytes(
+                    page._granules
+                )
+                page._mapped_in.remove(reservation)
 
     def view(self, reservation: Reservation, offset: int, shape: Sequence[int], dtype: Any) -> Any:
         """A zero-copy array of `shape` and `dtype` at `offset` in `reservation`.
@@ -383,17 +459,15 @@ class Backend(ABC):
         """Unmap, release and free everything this backend still holds. Idempotent."""
         if self._closed:
             return
+        self.synchronize()
         with self._state_lock:
             reservations = list(self._reservations)
         for reservation in reservations:
             if reservation._closed:
                 continue
-            with reservation._lock:
-                starts = list(reservation._starts)
-            if starts:
-                self.unmap_many(
-                    reservation, [(s, reservation._mappings[s].nbytes) for s in starts]
-                )
+            live = reservation.mappings()
+            if live:
+                self.unmap_many(reservation, [(offset, page.nbytes) for offset, page in live])
             self.free(reservation)
         with self._state_lock:
             pages = list(self._pages)
@@ -427,7 +501,7 @@ class Backend(ABC):
     def _check_size(self, what: str, nbytes: int) -> None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise InvalidArgument(f"{what} must be an int, got {type(nbytes).__name__}")
-        g = self.granularity
+        g = self._g
         if nbytes <= 0 or nbytes % g:
             raise InvalidArgument(
                 f"{what} {nbytes} is not a positive multiple of the {self.name} "
@@ -446,13 +520,22 @@ class Backend(ABC):
         if page._closed:
             raise InvalidArgument(f"{page!r} was already released")
 
+    def _map_error(self, reservation: Reservation, offset: int, page: Page) -> InvalidArgument:
+        """The precise error for a single map that failed the fast path's checks."""
+        try:
+            self._check_reservation(reservation)
+            self._plan_maps(reservation, [(offset, page)])
+        except InvalidArgument as exc:
+            return exc
+        return InvalidArgument(f"cannot map {page!r} at {offset} in {reservation!r}")
+
     def _plan_maps(
         self, reservation: Reservation, requests: list[MappingRequest]
     ) -> list[tuple[int, Page]]:
         """Validate a batch against the reservation and itself; return (address, page)."""
-        g = self.granularity
-        starts, mappings = reservation._starts, reservation._mappings
-        batch: list[tuple[int, int]] = []
+        g = self._g
+        occupied = reservation._occupied
+        claimed = bytearray(len(occupied))  # granules this batch maps
         planned: list[tuple[int, Page]] = []
         for offset, page in requests:
             self._check_page(page)
@@ -466,17 +549,14 @@ class Backend(ABC):
                 raise InvalidArgument(
                     f"mapping [{offset}, {end}) runs past the end of {reservation!r}"
                 )
-            i = bisect.bisect_right(starts, offset)
-            if (i > 0 and starts[i - 1] + mappings[starts[i - 1]].nbytes > offset) or (
-                i < len(starts) and starts[i] < end
-            ):
+            first, last = offset // g, end // g
+            if occupied.find(1, first, last) >= 0:
                 raise InvalidArgument(
                     f"[{offset}, {end}) of {reservation!r} is already mapped; unmap it first"
                 )
-            for other_start, other_end in batch:
-                if other_start < end and offset < other_end:
-                    raise InvalidArgument(f"batch maps [{offset}, {end}) twice")
-            batch.append((offset, end))
+            if claimed.find(1, first, last) >= 0:
+                raise InvalidArgument(f"batch maps [{offset}, {end}) twice")
+            claimed[first:last] = b"\x01" * (last - first)
             planned.append((reservation.address + offset, page))
         return planned
 
@@ -484,20 +564,19 @@ class Backend(ABC):
         """Start offsets of the mappings that exactly tile [offset, offset + nbytes)."""
         if not isinstance(offset, int) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidArgument(f"unmap range ({offset!r}, {nbytes!r}) is not a positive range")
-        starts, mappings = reservation._starts, reservation._mappings
+        mappings = reservation._mappings
         end = offset + nbytes
-        i = bisect.bisect_left(starts, offset)
         covered: list[int] = []
         cursor = offset
         while cursor < end:
-            if i >= len(starts) or starts[i] != cursor:
+            page = mappings.get(cursor)
+            if page is None:
                 raise InvalidArgument(
-                    f"unmap [{offset}, {end}) of {reservation!r}: nothing is mapped at "
-                    f"offset {cursor}, or a mapping starts before it (unmap whole mappings)"
+                    f"unmap [{offset}, {end}) of {reservation!r}: no mapping starts at "
+                    f"offset {cursor} (unmap whole mappings, and only mapped ranges)"
                 )
-            cursor += mappings[cursor].nbytes
-            covered.append(starts[i])
-            i += 1
+            covered.append(cursor)
+            cursor += page.nbytes
         if cursor != end:
             raise InvalidArgument(
                 f"unmap [{offset}, {end}) of {reservation!r} ends inside a mapping "

@@ -64,9 +64,7 @@ def _settings_class() -> type[BaseSettings]:
             description="Backend to use (cuda, rocm, mlx, host, or a third party's); "
             "auto-detected when unset.",
         )
-        device: int = Field(
-            default=0, ge=0, description="Accelerator ordinal the backend drives."
-        )
+        device: int = Field(default=0, ge=0, description="Accelerator ordinal the backend drives.")
         host_budget: str | None = Field(
             default=None,
             description="Physical memory the host backend may create: a size or a "
@@ -76,6 +74,43 @@ def _settings_class() -> type[BaseSettings]:
             default="2MiB",
             description="Page granularity of the host backend (a multiple of the OS page).",
         )
+        extent_size: str = Field(
+            default="32MiB",
+            description="Physical page size the allocator grows by, per layer buffer (K or "
+            "V); rounded down to whole page ids. Larger: cheaper growth, coarser release.",
+        )
+        pool_low: str = Field(
+            default="256MiB",
+            description="Mapped-but-unused KV bytes the allocator keeps ready; below this "
+            "its background thread maps more ('0': grow only on demand).",
+        )
+        pool_high: str = Field(
+            default="2GiB",
+            description="Unused KV bytes above which the allocator gives empty extents back.",
+        )
+        ledger_dir: str | None = Field(
+            default=None,
+            description="Folder of the cross-process ledgers (absolute); default /dev/shm.",
+        )
+        metrics_port: int | None = Field(
+            default=None,
+            ge=1,
+            le=65535,
+            description="Serve Prometheus metrics of the ledger on this port when set.",
+        )
+        metrics_addr: str = Field(
+            default="127.0.0.1",
+            description="Address the metrics endpoint binds to (default: loopback only).",
+        )
+
+        @field_validator("ledger_dir")
+        @classmethod
+        def _absolute_ledger_dir(cls, value: str | None) -> str | None:
+            if value is None or not value.strip():
+                return None
+            if not value.startswith("/"):
+                raise ValueError(f"must be an absolute path, got {value!r}")
+            return value
 
         @field_validator("backend")
         @classmethod

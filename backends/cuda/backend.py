@@ -68,7 +68,7 @@ class CudaBackend(Backend):
         self._context = self._check(
             driver.cuDevicePrimaryCtxRetain(self._cu_device), "cuDevicePrimaryCtxRetain"
         )
-        self._thread = threading.local()
+        self._thread = _ThreadState()
         self._make_current()
 
         prop = driver.CUmemAllocationProp()
@@ -117,7 +117,7 @@ class CudaBackend(Backend):
         raise DriverError(api, int(err), text)
 
     def _make_current(self) -> None:
-        if getattr(self._thread, "current", False):
+        if self._thread.current:
             return
         self._check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
         self._thread.current = True
@@ -130,6 +130,10 @@ class CudaBackend(Backend):
     @property
     def device(self) -> str:
         return f"cuda:{self._ordinal}"
+
+    def synchronize(self) -> None:
+        self._make_current()
+        self._check(self._driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def mem_info(self) -> tuple[int, int]:
         self._make_current()
@@ -203,6 +207,25 @@ class CudaBackend(Backend):
             self._unmap_batch(done)
             raise
 
+    def _map_one(self, address: int, page: Page) -> None:
+        if not self._thread.current:
+            self._make_current()
+        driver = self._driver
+        (err,) = driver.cuMemMap(address, page.nbytes, 0, page.handle, 0)
+        if err != self._success:
+            self._raise(err, "cuMemMap")
+        (err,) = driver.cuMemSetAccess(address, page.nbytes, self._access, 1)
+        if err != self._success:
+            driver.cuMemUnmap(address, page.nbytes)
+            self._raise(err, "cuMemSetAccess")
+
+    def _unmap_one(self, address: int, nbytes: int) -> None:
+        if not self._thread.current:
+            self._make_current()
+        (err,) = self._driver.cuMemUnmap(address, nbytes)
+        if err != self._success:
+            self._raise(err, "cuMemUnmap")
+
     def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
         self._make_current()
         driver, success = self._driver, self._success
@@ -218,6 +241,10 @@ class CudaBackend(Backend):
         if self._context is not None:
             self._driver.cuDevicePrimaryCtxRelease(self._cu_device)
             self._context = None
+
+
+class _ThreadState(threading.local):
+    current = False  # whether this thread has made the backend's context current
 
 
 def _contiguous_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -16,9 +16,10 @@ import importlib.util
 
 @functools.cache
 def cuda_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec(
-        "cuda.bindings"
-    ) is None:
+    if (
+        importlib.util.find_spec("cuda") is None
+        or importlib.util.find_spec("cuda.bindings") is None
+    ):
         return "cuda-bindings is not installed (pip install 'kvcached[cuda]')"
     try:
         ctypes.CDLL("libcuda.so.1")

@@ -18,9 +18,16 @@ How the driver primitives map onto Linux:
   mmap, so the range stays reserved (no one else can take the addresses in between).
   Mapping one page in two places aliases it, as on a GPU.
 
-Memory accounting: `total` is the budget (KVCACHED_HOST_BUDGET, default the RAM that
-was available when the backend started); `free` is the smaller of what is left of the
-budget and what the kernel reports available now, so co-located programs are seen.
+Memory accounting. With a budget (KVCACHED_HOST_BUDGET, or `budget=`) the instance
+has memory of its own: `total` is the budget and `free` what is left of it; sharing
+with other processes is the ledger's job. Without one, the "device" is the machine:
+`total` is MemTotal and `free` is MemTotal minus the shared memory (Shmem) in use by
+every process, which is exactly what host arenas, ours and other processes', hold.
+MemAvailable is not used for `free`: on VMs with ballooned or hot-plugged memory it
+drifts by tens of MiB while nothing is allocated, and it trails shmem commits. It is
+still the guard in `create`: a page that would not fit in MemAvailable is refused
+with OutOfMemory, because committing shmem past it would not fail cleanly (with no
+swap the OOM killer ends a process).
 Everything is returned when the process exits: the kernel drops the mappings and the
 memfd with it.
 """
@@ -44,13 +51,17 @@ from kvcached.views import host_tensor
 ARENA_FILE_SIZE = 1 << 44  # 16 TiB of sparse file offsets; only created pages use memory
 
 
-def mem_available() -> int:
-    """The kernel's estimate of RAM available for new allocations (MemAvailable)."""
+def _meminfo(field: bytes) -> int:
     with open("/proc/meminfo", "rb") as meminfo:
         for line in meminfo:
-            if line.startswith(b"MemAvailable:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
-    raise DriverError("/proc/meminfo", 0, "MemAvailable missing")
+    raise DriverError("/proc/meminfo", 0, f"{field.decode()} missing")
+
+
+def mem_available() -> int:
+    """The kernel's estimate of RAM available for new allocations (MemAvailable)."""
+    return _meminfo(b"MemAvailable:")
 
 
 class HostBackend(Backend):
@@ -83,11 +94,10 @@ class HostBackend(Backend):
                 f"page size ({mmap.PAGESIZE})"
             )
         requested = budget if budget is not None else config.host_budget
-        available = mem_available()
-        self._budget = (
-            available
+        self._budget: int | None = (
+            None
             if requested is None
-            else parse_size(requested, total=available, what="KVCACHED_HOST_BUDGET")
+            else parse_size(requested, total=mem_available(), what="KVCACHED_HOST_BUDGET")
         )
         self._fd = os.memfd_create("kvcached-host-arena", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, ARENA_FILE_SIZE)
@@ -113,11 +123,15 @@ class HostBackend(Backend):
         return "cpu"
 
     @property
-    def budget(self) -> int:
+    def budget(self) -> int | None:
+        """The fixed budget in bytes, or None when it follows MemAvailable."""
         return self._budget
 
     def mem_info(self) -> tuple[int, int]:
-        return min(self._budget - self._used, mem_available()), self._budget
+        if self._budget is None:
+            total = _meminfo(b"MemTotal:")
+            return max(0, total - _meminfo(b"Shmem:")), total
+        return self._budget - self._used, self._budget
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
@@ -142,7 +156,13 @@ class HostBackend(Backend):
 
     def _create(self, nbytes: int) -> Any:
         with self._arena_lock:
-            if self._used + nbytes > self._budget:
+            if self._budget is None:
+                available = mem_available()
+                if nbytes > available:
+                    raise OutOfMemory(
+                        f"host memory exhausted: {nbytes} bytes asked, {available} available"
+                    )
+            elif self._used + nbytes > self._budget:
                 raise OutOfMemory(
                     f"host budget exhausted: {self._used} of {self._budget} bytes in use, "
                     f"{nbytes} more asked"
@@ -162,11 +182,13 @@ class HostBackend(Backend):
                 raise OutOfMemory(
                     f"the kernel could not commit {nbytes} bytes of host memory"
                 ) from None
-            raise DriverError("fallocate", exc.errno or 0, errno.errorcode.get(exc.errno or 0, "?"))
+            code = exc.errno or 0
+            raise DriverError("fallocate", code, errno.errorcode.get(code, "?")) from exc
         return offset
 
     def _release(self, handle: Any, nbytes: int) -> None:
-        libc.fallocate(self._fd, libc.FALLOC_FL_PUNCH_HOLE | libc.FALLOC_FL_KEEP_SIZE, handle, nbytes)
+        punch = libc.FALLOC_FL_PUNCH_HOLE | libc.FALLOC_FL_KEEP_SIZE
+        libc.fallocate(self._fd, punch, handle, nbytes)
         self._return_range(handle, nbytes)
 
     def _return_range(self, offset: int, nbytes: int) -> None:
@@ -183,6 +205,12 @@ class HostBackend(Backend):
         except BaseException:
             self._unmap_batch(done)
             raise
+
+    def _map_one(self, address: int, page: Page) -> None:
+        libc.mmap_file_fixed(address, page.nbytes, self._fd, page.handle)
+
+    def _unmap_one(self, address: int, nbytes: int) -> None:
+        libc.mmap_anonymous_reserve(address, nbytes, fixed=True)
 
     def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
         for address, nbytes in ranges:

@@ -1,0 +1,100 @@
+"""CUDA-only checks; they run on the device machine (pytest -m gpu)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+
+from kvcached.backends.cuda import CudaBackend
+from kvcached.conformance import ConformanceSuite
+
+pytestmark = pytest.mark.gpu
+
+if CudaBackend.unavailable_reason() is not None:
+    pytest.skip(f"cuda: {CudaBackend.unavailable_reason()}", allow_module_level=True)
+
+
+class TestCudaConformance(ConformanceSuite):
+    @pytest.fixture
+    def backend_factory(self) -> Callable[..., CudaBackend]:
+        return CudaBackend
+
+    @pytest.fixture
+    def exhaustible_backend(self):  # the real device is filled
+        backend = CudaBackend()
+        yield backend
+        backend.close()
+
+
+_FORK_PROGRAM = textwrap.dedent(
+    """
+    import os, sys
+    import kvcached
+    from kvcached import registry
+    PARENT_INIT = sys.argv[1] == "init-in-parent"
+    assert registry.resolve_name() == "cuda"      # detection runs in the parent
+    if PARENT_INIT:
+        from cuda.bindings import driver
+        driver.cuInit(0)                           # what detection must never do
+    pid = os.fork()
+    if pid == 0:
+        try:
+            backend = kvcached.get_backend()
+            g = backend.granularity
+            with backend.reserve(2 * g) as r, backend.create(g) as p:
+                backend.map(r, 0, p)
+                import torch
+                view = backend.view(r, 0, (g,), "uint8")
+                view.fill_(7)
+                torch.cuda.synchronize()
+                ok = int(view.sum().item()) == 7 * g
+                backend.unmap(r, 0, g)
+            os._exit(0 if ok else 3)
+        except BaseException as exc:
+            print("child failed:", repr(exc), flush=True)
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    print("child status", os.waitstatus_to_exitcode(status))
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def _fork_run(mode: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KVCACHED_BACKEND="")
+    return subprocess.run(
+        [sys.executable, "-c", _FORK_PROGRAM, mode], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_import_and_detection_in_parent_leave_forked_child_able_to_use_cuda() -> None:
+    result = _fork_run("detect-only")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_fork_check_detects_a_parent_that_initialised_cuda() -> None:
+    """Control: the same program fails when the parent calls cuInit, so the check above
+    really exercises the fork hazard."""
+    result = _fork_run("init-in-parent")
+    assert result.returncode != 0, result.stdout + result.stderr
+
+
+def test_views_are_on_the_selected_device() -> None:
+    import torch
+
+    with CudaBackend() as backend:
+        g = backend.granularity
+        with backend.reserve(2 * g) as r, backend.create(2 * g) as p:
+            backend.map(r, 0, p)
+            view = backend.view(r, 0, (g // 2, 2), torch.bfloat16)
+            assert view.device == torch.device(backend.device)
+            assert view.data_ptr() == r.address
+            view.copy_(torch.ones_like(view))
+            assert float(view.float().sum()) == g
+            backend.unmap(r, 0, 2 * g)
