@@ -133,6 +133,37 @@ def conformance(
     raise typer.Exit(code=int(pytest.main(args)))
 
 
+@app.command()
+def demo(
+    instances: Annotated[int, typer.Option(min=1, max=8, help="Model instances.")] = 3,
+    seconds: Annotated[float, typer.Option(min=2, help="Length of each mode's run.")] = 24.0,
+    budget: Annotated[str, typer.Option(help="Shared KV budget, e.g. 1GiB.")] = "1GiB",
+    model: Annotated[str, typer.Option(help="Model shape of every instance.")] = "llama-3.2-1b",
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic load.")] = 0,
+    backend: Annotated[str | None, typer.Option(help="Backend (default: detected).")] = None,
+    out: Annotated[str, typer.Option(help="Where to write the PNG plot.")] = "demo-out/demo.png",
+) -> None:
+    """Several instances share one KV budget under bursty load: elastic vs. static split."""
+    from pathlib import Path
+
+    from kvcached.config import parse_size
+    from kvcached.demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        instances=instances,
+        seconds=seconds,
+        budget=parse_size(budget, what="--budget"),
+        model=model,
+        seed=seed,
+        backend=backend,
+    )
+    console.print(
+        f"kvcached demo on backend [bold]{registry.resolve_name(backend)}[/]: "
+        f"{instances} x {model}, {budget} shared, {seconds:.0f} s per mode"
+    )
+    run_demo(config, out=Path(out))
+
+
 def main() -> None:
     try:
         app()

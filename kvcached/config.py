@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from pydantic_settings import BaseSettings
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+# What a size may look like before pydantic reads the unit; ByteSize alone takes
+# "1.5.5GiB" or "1.9" as 1 byte.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]i?b?|b)?\s*$", re.IGNORECASE)
 
 
 def parse_size(value: str | int, *, total: int | None = None, what: str = "size") -> int:
@@ -40,9 +43,12 @@ def parse_size(value: str | int, *, total: int | None = None, what: str = "size"
             return int(total * percent / 100)
         from pydantic import ByteSize, TypeAdapter, ValidationError
 
+        shape = _SIZE.match(value)
         try:
+            if shape is None or ("." in shape.group(1) and not shape.group(2)):
+                raise ValueError(value)  # malformed, or a fraction of a byte
             nbytes = int(TypeAdapter(ByteSize).validate_python(value.strip()))
-        except ValidationError:
+        except (ValueError, ValidationError):
             accepted = "a byte count, or a number with a unit (KiB, MiB, GiB, KB, MB, GB, ...)"
             if total is not None:
                 accepted += ", or a percentage such as '40%'"

@@ -28,7 +28,9 @@ def test_percentages_need_a_total() -> None:
         parse_size("150%", total=GiB)
 
 
-@pytest.mark.parametrize("bad", ["lots", "-1GiB", "0", "", "GiB", True, -5])
+@pytest.mark.parametrize(
+    "bad", ["lots", "-1GiB", "0", "", "GiB", True, -5, "1.5.5GiB", "1.9", "2 MiB MiB"]
+)
 def test_bad_sizes_are_named(bad: str | int) -> None:
     with pytest.raises(InvalidArgument, match=r"size|positive"):
         parse_size(bad, what="test size")

@@ -1,0 +1,38 @@
+# Set-up and the two jobs the README opens with. `make run` and `make test` each build
+# .venv on first use (Python 3.10+), so a fresh clone needs nothing else.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is only needed for torch views (tests, host/CUDA demos). 2.13.0 is the CPU
+# build these CI machines install from local disk; override elsewhere, e.g.
+# `make TORCH_SPEC='torch' test`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint typecheck clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job: what kvcached sees here, then the conformance suite on that backend.
+run: $(STAMP)
+	$(VENV)/bin/kvcached info
+	$(VENV)/bin/kvcached conformance
+
+## Lint, type-check and every test that needs no GPU (CI runs exactly this).
+test: $(STAMP) lint typecheck
+	$(VENV)/bin/pytest -m "not gpu"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	MYPY=$(VENV)/bin/mypy bash scripts/typecheck.sh
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

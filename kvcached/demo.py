@@ -1,0 +1,453 @@
+"""`kvcached demo`: several model instances share one memory budget, elastic vs. static.
+
+What runs. `--instances` worker processes each own a KV cache for a realistic model
+shape (Llama-3.2-1B's by default: 16 layers, 8 KV heads, head dim 64, bf16) on the
+detected backend, allocated through `KVLayout` and `PageAllocator` and charged to one
+shared `Ledger` whose budget is `--budget`. Every worker replays the same kind of
+bursty synthetic load, phase-shifted so that the instances peak at different times:
+requests arrive, wait in a FIFO queue until their blocks can be had, write their K and
+V blocks in every layer through the zero-copy views, decode for a while, read every
+block back to check it, and free them.
+
+The same seeded load runs twice: **elastic** (no per-instance limit: an instance in a
+burst may use what the idle ones do not) and **static** (each instance limited to an
+equal share of the budget, which is what a fixed `gpu_memory_utilization` split gives).
+The demo prints a live table while it runs, then a comparison (requests served,
+requests that had to wait, wait times), writes a PNG of each instance's KV memory over
+time for both modes side by side, and one JSON line per mode.
+
+Elastic wins when loads peak at different times; that is the whole case for kvcached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import random
+import statistics
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    # name: layers, KV heads, head dim (per the published configs; weights not needed)
+    "llama-3.2-1b": {"num_layers": 16, "num_kv_heads": 8, "head_dim": 64},
+    "qwen3-0.6b": {"num_layers": 28, "num_kv_heads": 8, "head_dim": 128},
+    "llama-3.1-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
+}
+
+TICK_S = 0.05  # one scheduler step
+TOKENS_PER_TICK = 4  # decode speed of one request per step
+REPORT_EVERY = 5  # ticks between reports to the coordinator
+
+
+@dataclass
+class DemoConfig:
+    instances: int = 3
+    seconds: float = 24.0
+    budget: int = 1 << 30
+    model: str = "llama-3.2-1b"
+    block_size: int = 16
+    seed: int = 0
+    backend: str | None = None
+    burst_period_s: float = 8.0
+    quiet_rate: float = 0.5  # requests/s outside an instance's burst
+    burst_rate: float = 9.0  # requests/s during it
+    prompt_tokens: tuple[int, int] = (256, 1024)
+    output_tokens: tuple[int, int] = (64, 256)
+
+
+@dataclass
+class Request:
+    rid: int
+    arrival_tick: int
+    tokens: int  # prompt + output: blocks are taken for all of it at admission
+    decode_ticks: int
+    blocks: list[int] = field(default_factory=list)
+    admitted_tick: int = -1
+    done_tick: int = -1
+
+
+def make_load(config: DemoConfig, instance: int) -> list[Request]:
+    """The seeded, phase-shifted bursty arrivals of one instance."""
+    rng = random.Random(config.seed * 1000 + instance)
+    ticks = int(config.seconds / TICK_S)
+    period = config.burst_period_s
+    window = period / config.instances
+    phase = instance * window
+    requests: list[Request] = []
+    for tick in range(ticks):
+        t = tick * TICK_S
+        in_burst = ((t - phase) % period) < window
+        rate = config.burst_rate if in_burst else config.quiet_rate
+        arrivals = _poisson(rng, rate * TICK_S)
+        for _ in range(arrivals):
+            prompt = rng.randint(*config.prompt_tokens)
+            output = rng.randint(*config.output_tokens)
+            requests.append(
+                Request(
+                    rid=len(requests),
+                    arrival_tick=tick,
+                    tokens=prompt + output,
+                    decode_ticks=math.ceil(output / TOKENS_PER_TICK),
+                )
+            )
+    return requests
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    threshold, k, product = math.exp(-mean), 0, rng.random()
+    while product > threshold:
+        k += 1
+        product *= rng.random()
+    return k
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(
+    config: DemoConfig,
+    mode: str,
+    instance: int,
+    ledger_dir: str,
+    ledger_key: str,
+    reports: Any,
+    start: Any,
+) -> None:
+    """One model instance: its own backend, KV layout and allocator; the shared ledger."""
+    os.environ["KVCACHED_LEDGER_DIR"] = ledger_dir
+    import torch
+
+    from kvcached.allocator import PageAllocator
+    from kvcached.layout import KVLayout
+    from kvcached.ledger import Ledger
+    from kvcached.registry import backend_class, resolve_name
+
+    torch.set_num_threads(1)
+    backend = backend_class(resolve_name(config.backend))()
+    shape = MODEL_SHAPES[config.model]
+    ledger = Ledger.open(ledger_key, create=False, directory=ledger_dir)
+    limit = config.budget // config.instances if mode == "static" else None
+    account = ledger.register(f"{mode}-{instance}", "demo", limit=limit)
+    max_tokens = config.budget // _token_bytes(config)
+    layout = KVLayout.uniform(
+        backend,
+        shape["num_layers"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        dtype="bfloat16",
+        block_size=config.block_size,
+        max_tokens=max_tokens,
+    )
+    group = layout.groups[0]
+    allocator = PageAllocator(
+        group,
+        account=account,
+        extent_bytes=group.page_bytes,  # grow and shrink one page id at a time
+        pool_low=group.page_id_bytes,
+        pool_high=2 * group.page_id_bytes,
+    )
+    # [num_blocks, block_size * heads * head_dim] per K and per V of every layer
+    views = [
+        layout.view(layer, part).view(group.num_blocks, -1)
+        for layer in range(shape["num_layers"])
+        for part in ("k", "v")
+    ]
+    load = deque(make_load(config, instance))
+    waiting: deque[Request] = deque()
+    running: list[Request] = []
+    served = waited = corrupted = 0
+    waits: list[float] = []
+    reports.put({"instance": instance, "ready": True})
+    start.wait()
+    begin = time.monotonic()
+    ticks = int(config.seconds / TICK_S)
+    for tick in range(ticks):
+        while load and load[0].arrival_tick <= tick:
+            waiting.append(load.popleft())
+        while waiting:  # FIFO admission: the head waits until its blocks can be had
+            request = waiting[0]
+            blocks = allocator.alloc(math.ceil(request.tokens / config.block_size))
+            if blocks is None:
+                break
+            waiting.popleft()
+            request.blocks, request.admitted_tick = blocks, tick
+            if tick > request.arrival_tick:
+                waited += 1
+            waits.append((tick - request.arrival_tick) * TICK_S)
+            index = torch.tensor(blocks)
+            stamp = float(request.rid % 251 + 1)
+            for view in views:  # prefill: write this request's K and V in every layer
+                view.index_fill_(0, index, stamp)
+            running.append(request)
+        still: list[Request] = []
+        for request in running:
+            if tick - request.admitted_tick < request.decode_ticks:
+                still.append(request)
+                continue
+            index = torch.tensor(request.blocks)
+            stamp = float(request.rid % 251 + 1)
+            for view in views:  # read every block back before freeing it
+                chunk = view.index_select(0, index)
+                if not bool((chunk == stamp).all()):
+                    corrupted += 1
+                    break
+            allocator.free(request.blocks)
+            served += 1
+        running = still
+        if tick % REPORT_EVERY == 0 or tick == ticks - 1:
+            reports.put(
+                {
+                    "instance": instance,
+                    "t": round(tick * TICK_S, 3),
+                    "reserved": allocator.reserved_bytes,
+                    "used": allocator.used_blocks * group.block_id_bytes,
+                    "running": len(running),
+                    "waiting": len(waiting),
+                    "served": served,
+                    "waited": waited,
+                }
+            )
+        delay = begin + (tick + 1) * TICK_S - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+    reports.put(
+        {
+            "instance": instance,
+            "final": True,
+            "served": served,
+            "waited": waited,
+            "arrived": served + len(running) + len(waiting),
+            "still_waiting": len(waiting),
+            "corrupted": corrupted,
+            "mean_wait_s": statistics.fmean(waits) if waits else 0.0,
+            "p95_wait_s": _percentile(waits, 95),
+            "late_s": round(max(0.0, time.monotonic() - begin - config.seconds), 3),
+        }
+    )
+    for request in running:
+        allocator.free(request.blocks)
+    allocator.close()
+    layout.close()
+    account.close()
+    ledger.close()
+    backend.close()
+
+
+def _token_bytes(config: DemoConfig) -> int:
+    shape = MODEL_SHAPES[config.model]
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
+
+
+# ------------------------------------------------------------------------ coordinator
+@dataclass
+class ModeResult:
+    mode: str
+    timeline: dict[int, list[tuple[float, int]]]
+    finals: dict[int, dict[str, Any]]
+
+    def summary(self, config: DemoConfig) -> dict[str, Any]:
+        finals = self.finals.values()
+        return {
+            "bench": "demo",
+            "mode": self.mode,
+            "instances": config.instances,
+            "budget_bytes": config.budget,
+            "seconds": config.seconds,
+            "model": config.model,
+            "arrived": sum(f["arrived"] for f in finals),
+            "served": sum(f["served"] for f in finals),
+            "waited": sum(f["waited"] for f in finals),
+            "still_waiting": sum(f["still_waiting"] for f in finals),
+            "mean_wait_s": round(statistics.fmean(f["mean_wait_s"] for f in finals), 3),
+            "p95_wait_s": round(max(f["p95_wait_s"] for f in finals), 3),
+            "corrupted": sum(f["corrupted"] for f in finals),
+            "peak_reserved_bytes": {
+                str(i): max((b for _, b in points), default=0)
+                for i, points in self.timeline.items()
+            },
+        }
+
+
+def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
+    """Start the workers of one mode on a fresh ledger and collect their reports."""
+    from rich.live import Live
+
+    from kvcached.ledger import Ledger
+
+    context = mp.get_context("spawn")
+    reports = context.Queue()
+    start = context.Event()
+    with tempfile.TemporaryDirectory(prefix="kvcached-demo-") as ledger_dir:
+        key = f"demo-{mode}-{os.getpid()}"
+        ledger = Ledger.open(key, budget=config.budget, directory=ledger_dir)
+        processes = [
+            context.Process(
+                target=worker,
+                args=(config, mode, i, ledger_dir, key, reports, start),
+                name=f"kvcached-demo-{mode}-{i}",
+            )
+            for i in range(config.instances)
+        ]
+        for process in processes:
+            process.start()
+        timeline: dict[int, list[tuple[float, int]]] = {i: [] for i in range(config.instances)}
+        latest: dict[int, dict[str, Any]] = {}
+        finals: dict[int, dict[str, Any]] = {}
+        ready = 0
+        try:
+            while ready < config.instances:
+                message = _next_report(reports, processes)
+                ready += bool(message.get("ready"))
+            start.set()
+            with Live(
+                _table(config, mode, latest), refresh_per_second=4, transient=not live
+            ) as view:
+                while len(finals) < config.instances:
+                    message = _next_report(reports, processes)
+                    instance = message["instance"]
+                    if message.get("final"):
+                        finals[instance] = message
+                    elif "t" in message:
+                        latest[instance] = message
+                        timeline[instance].append((message["t"], message["reserved"]))
+                        view.update(_table(config, mode, latest))
+        finally:
+            for process in processes:
+                process.join(timeout=60)
+                if process.is_alive():
+                    process.kill()
+            leftover = ledger.totals().reserved
+            ledger.close()
+        if leftover:
+            raise RuntimeError(f"{leftover} bytes stayed charged in the ledger after {mode}")
+    return ModeResult(mode, timeline, finals)
+
+
+def _next_report(reports: Any, processes: list[Any]) -> dict[str, Any]:
+    while True:
+        try:
+            message: dict[str, Any] = reports.get(timeout=1.0)
+            return message
+        except queue.Empty:
+            dead = [p for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(
+                    f"demo worker {dead[0].name} exited with code {dead[0].exitcode}"
+                ) from None
+
+
+def _table(config: DemoConfig, mode: str, latest: dict[int, dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"kvcached demo: {mode} ({_gib(config.budget)} budget)")
+    for column in ("instance", "t (s)", "KV reserved", "KV used", "running", "waiting",
+                   "served", "had to wait"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for i in range(config.instances):
+        row = latest.get(i)
+        if row is None:
+            table.add_row(str(i), *["-"] * 7)
+            continue
+        table.add_row(
+            str(i), f"{row['t']:.1f}", _gib(row["reserved"]), _gib(row["used"]),
+            str(row["running"]), str(row["waiting"]), str(row["served"]), str(row["waited"]),
+        )  # fmt: skip
+    return table
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def plot(config: DemoConfig, results: list[ModeResult], path: Path) -> None:
+    """Each instance's reserved KV memory over time, one panel per mode, plus totals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(
+        1, len(results) + 1, figsize=(6 * len(results) + 4, 4.5),
+        gridspec_kw={"width_ratios": [3] * len(results) + [2]},
+    )  # fmt: skip
+    budget_gib = config.budget / (1 << 30)
+    for ax, result in zip(axes, results, strict=False):
+        for instance, points in sorted(result.timeline.items()):
+            ax.plot(
+                [t for t, _ in points],
+                [b / (1 << 30) for _, b in points],
+                label=f"instance {instance}",
+            )
+        ax.axhline(budget_gib, color="black", linestyle="--", linewidth=1, label="budget")
+        if result.mode == "static":
+            ax.axhline(budget_gib / config.instances, color="grey", linestyle=":",
+                       linewidth=1, label="static share")  # fmt: skip
+        summary = result.summary(config)
+        ax.set_title(f"{result.mode}: {summary['served']} served, {summary['waited']} waited")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("KV memory reserved (GiB)")
+        ax.set_ylim(0, budget_gib * 1.1)
+        ax.legend(loc="upper right", fontsize=8)
+    bars = axes[-1]
+    names = [r.mode for r in results]
+    served = [r.summary(config)["served"] for r in results]
+    waited = [r.summary(config)["waited"] for r in results]
+    x = range(len(results))
+    bars.bar([i - 0.2 for i in x], served, width=0.4, label="served")
+    bars.bar([i + 0.2 for i in x], waited, width=0.4, label="had to wait")
+    bars.set_xticks(list(x), names)
+    bars.set_title("requests")
+    bars.legend(fontsize=8)
+    figure.suptitle(
+        f"{config.instances} x {config.model} KV caches sharing {budget_gib:.2f} GiB "
+        f"({config.seconds:.0f} s of bursty load, seed {config.seed})"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run_demo(config: DemoConfig, *, out: Path, live: bool = True) -> list[dict[str, Any]]:
+    """Both modes, the comparison table, the plot; returns the JSON summaries."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if config.model not in MODEL_SHAPES:
+        from kvcached.errors import InvalidArgument
+
+        raise InvalidArgument(
+            f"unknown demo model {config.model!r}; choose from {', '.join(MODEL_SHAPES)}"
+        )
+    console = Console()
+    results = [run_mode(config, mode, live) for mode in ("elastic", "static")]
+    summaries = [result.summary(config) for result in results]
+    table = Table(title="elastic vs. static split of the same budget and load")
+    for column in ("mode", "arrived", "served", "had to wait", "still waiting at end",
+                   "mean wait (s)", "p95 wait (s)", "corrupted blocks"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for s in summaries:
+        table.add_row(
+            s["mode"], str(s["arrived"]), str(s["served"]), str(s["waited"]),
+            str(s["still_waiting"]), f"{s['mean_wait_s']:.2f}", f"{s['p95_wait_s']:.2f}",
+            str(s["corrupted"]),
+        )  # fmt: skip
+    console.print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(config, results, out)
+    console.print(f"plot written to {out}")
+    for s in summaries:
+        print(json.dumps(s))
+    return summaries

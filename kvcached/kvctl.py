@@ -1,0 +1,284 @@
+"""kvctl: read and steer a device's kvcached ledger from the shell.
+
+    kvctl list [--json]            every instance: used, reserved, limit, peak
+    kvctl limit NAME 8GiB|25%|none set (or remove) an instance's limit
+    kvctl budget [SIZE]            show or set the device budget
+    kvctl watch                    the list, refreshed
+    kvctl forget NAME [--force]    remove a row the ledger cannot judge dead by itself
+    kvctl serve-metrics --port N   Prometheus metrics of every ledger
+
+Which ledger: `--key cuda-0`, or `--backend`/`--device`, else the one an instance started
+here would use (KVCACHED_BACKEND or auto-detection, and KVCACHED_DEVICE). Choosing it
+never creates a device context. Exit status: 0 on success, 1 on any error, whose
+message goes to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console, RenderableType
+
+from kvcached.config import parse_size
+from kvcached.errors import InvalidArgument, KVCachedError
+from kvcached.kvtop import format_bytes, instances_table, over_limit_notes, percent, summary
+from kvcached.ledger import Ledger, default_key
+
+app = typer.Typer(
+    add_completion=False,
+    rich_markup_mode="markdown",
+    no_args_is_help=True,
+    help="Inspect and steer the kvcached ledger of a device: instances, limits, budget.",
+)
+_out = Console()
+_err = Console(stderr=True)
+
+KeyOption = Annotated[
+    str | None, typer.Option("--key", "-k", help="Ledger key, e.g. cuda-0 or host-cpu.")
+]
+BackendOption = Annotated[
+    str | None, typer.Option(help="Backend of the device (default: KVCACHED_BACKEND or auto).")
+]
+DeviceOption = Annotated[
+    str | None, typer.Option(help="Device ordinal (default: KVCACHED_DEVICE; cpu for host).")
+]
+DirOption = Annotated[
+    Path | None, typer.Option(help="Ledger folder (default: KVCACHED_LEDGER_DIR or /dev/shm).")
+]
+_NO_LIMIT = ("none", "unlimited", "off")
+
+
+@contextlib.contextmanager
+def fail() -> Iterator[None]:
+    """Turn kvcached's errors into a message on stderr and exit status 1."""
+    try:
+        yield
+    except KVCachedError as exc:
+        _err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def resolve_key(key: str | None, backend: str | None, device: str | None) -> str:
+    if key is not None:
+        if backend is not None or device is not None:
+            raise InvalidArgument("give either --key or --backend/--device, not both")
+        return key
+    return default_key(backend, device)
+
+
+def open_ledger(
+    key: str | None,
+    backend: str | None,
+    device: str | None,
+    ledger_dir: Path | None,
+    *,
+    create_with: int | None = None,
+) -> Ledger:
+    """The chosen ledger; created with budget `create_with` when given and missing."""
+    return Ledger.open(
+        resolve_key(key, backend, device),
+        create_with,
+        create=create_with is not None,
+        directory=ledger_dir,
+    )
+
+
+@app.command("list")
+def list_(
+    key: KeyOption = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List every instance on the device with its used, reserved and limit bytes."""
+    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
+        totals, rows = ledger.snapshot()
+        if as_json:
+            document = {
+                "key": ledger.key,
+                "path": str(ledger.path),
+                **totals.as_dict(),
+                "instances": [row.as_dict() for row in rows],
+            }
+            typer.echo(json.dumps(document, indent=2))
+            return
+        _out.print(summary(ledger.key, totals))
+        if rows:
+            _out.print(instances_table(rows, totals))
+            if any(row.over_limit for row in rows):
+                _out.print(over_limit_notes(rows))
+
+
+@app.command()
+def limit(
+    name: Annotated[str, typer.Argument(help="Instance name, as kvctl list shows it.")],
+    size: Annotated[
+        str,
+        typer.Argument(help="Bytes ('8GiB', '512MiB'), a percentage of the budget, or 'none'."),
+    ],
+    key: KeyOption = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+) -> None:
+    """Set (or remove) an instance's limit.
+
+    Below its current use, the instance stops growing and shrinks towards the limit as
+    its pages empty."""
+    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
+        if size.strip().lower() in _NO_LIMIT:
+            nbytes = None
+        else:
+            nbytes = parse_size(size, total=ledger.budget, what="limit")
+        change = ledger.set_limit(name, nbytes)
+        if change.limit is None:
+            _out.print(f"{name}: limit removed (bounded by the device budget only)")
+        else:
+            _out.print(
+                f"{name}: limit {format_bytes(change.limit)} "
+                f"({percent(change.limit, ledger.budget)} of the budget), "
+                f"was {format_bytes(change.previous)}"
+            )
+        if change.over_by:
+            _err.print(
+                f"[yellow]warning:[/] {name} holds {format_bytes(change.reserved)}, "
+                f"{format_bytes(change.over_by)} above its new limit: it stops growing and "
+                "releases free pages towards the limit; pages holding live blocks stay "
+                "until their requests finish",
+                highlight=False,
+            )
+
+
+@app.command()
+def budget(
+    size: Annotated[
+        str | None, typer.Argument(help="New budget ('20GiB'); omit to show the budget.")
+    ] = None,
+    key: KeyOption = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+) -> None:
+    """Show the device budget, or set it (creating the ledger if no instance ran yet)."""
+    with fail():
+        if size is None:
+            with open_ledger(key, backend, device, ledger_dir) as ledger:
+                _out.print(summary(ledger.key, ledger.totals()))
+            return
+        nbytes = parse_size(size, what="budget")
+        with open_ledger(key, backend, device, ledger_dir, create_with=nbytes) as ledger:
+            change = ledger.set_budget(nbytes)
+            _out.print(
+                f"{ledger.key}: budget {format_bytes(change.budget)}, "
+                f"was {format_bytes(change.previous)}"
+            )
+            if change.over_by:
+                _err.print(
+                    f"[yellow]warning:[/] instances hold {format_bytes(change.reserved)}, "
+                    f"{format_bytes(change.over_by)} above the new budget: no instance can "
+                    "grow until they release that much",
+                    highlight=False,
+                )
+
+
+@app.command()
+def watch(
+    key: KeyOption = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 1.0,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many refreshes.")
+    ] = None,
+) -> None:
+    """The list, refreshed every --interval seconds until Ctrl-C."""
+    from rich.console import Group
+    from rich.live import Live
+
+    def render(ledger: Ledger) -> Group:
+        totals, rows = ledger.snapshot()
+        parts: list[RenderableType] = [summary(ledger.key, totals)]
+        if rows:
+            parts.append(instances_table(rows, totals))
+        if any(row.over_limit for row in rows):
+            parts.append(over_limit_notes(rows))
+        return Group(*parts)
+
+    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
+        shown = 1
+        with Live(render(ledger), console=_out, auto_refresh=False) as live:
+            try:
+                while count is None or shown < count:
+                    time.sleep(interval)
+                    live.update(render(ledger), refresh=True)
+                    shown += 1
+            except KeyboardInterrupt:
+                pass
+        if not _out.is_terminal:
+            _out.line()
+
+
+@app.command()
+def forget(
+    name: Annotated[str, typer.Argument(help="Instance name.")],
+    force: Annotated[
+        bool, typer.Option("--force", help="Remove the row even if its process is alive.")
+    ] = False,
+    key: KeyOption = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+) -> None:
+    """Remove an instance's row by hand.
+
+    Rows of dead processes are removed automatically; this is for rows written from
+    another pid namespace, whose liveness cannot be checked from here."""
+    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
+        row = ledger.forget(name, force=force)
+        _out.print(f"{name}: row of pid {row.pid} removed ({format_bytes(row.reserved)} freed)")
+
+
+@app.command("serve-metrics")
+def serve_metrics(
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: pick a free one).")],
+    addr: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    key: Annotated[
+        list[str] | None, typer.Option("--key", "-k", help="Ledger key; repeat for several.")
+    ] = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+) -> None:
+    """Serve Prometheus gauges of the ledgers until Ctrl-C.
+
+    Every ledger of this user, unless --key or --backend/--device choose one."""
+    from kvcached.metrics import serve
+
+    with fail():
+        keys = key or ([resolve_key(None, backend, device)] if backend or device else None)
+        server = serve(keys, port=port, addr=addr, directory=ledger_dir)
+        which = ", ".join(keys) if keys else "every ledger"
+        _out.print(f"serving kvcached metrics of {which} on {server.url}")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.close()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

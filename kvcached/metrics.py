@@ -1,0 +1,203 @@
+"""Prometheus metrics of the ledger (optional: ``pip install 'kvcached[metrics]'``).
+
+The collector reads the ledger at scrape time, so the numbers are never older than the
+scrape and nothing runs between scrapes. It exports every instance of every device
+ledger of this user, not only the exporting process's own: one endpoint per machine is
+enough, and when several instances are started with the same KVCACHED_METRICS_PORT the
+first one serves it and the others, finding the port taken, carry on without one.
+
+Gauges, in bytes (labels: ``ledger`` everywhere; ``name``, ``engine``, ``pid`` per
+instance):
+
+    kvcached_ledger_budget_bytes          the device budget
+    kvcached_ledger_reserved_bytes        sum of reserved over instances
+    kvcached_ledger_used_bytes            sum of used over instances
+    kvcached_ledger_instances             registered instances
+    kvcached_instance_reserved_bytes      physical bytes the instance holds
+    kvcached_instance_used_bytes          bytes holding live blocks
+    kvcached_instance_limit_bytes         its limit (absent when it has none)
+    kvcached_instance_peak_reserved_bytes highest reserved since it registered
+    kvcached_instance_refused_charges     charges refused (limit or budget reached)
+
+The endpoint binds to 127.0.0.1 unless told otherwise (KVCACHED_METRICS_ADDR): instance
+names and sizes are not for the whole network by default.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcached.errors import KVCachedError
+from kvcached.ledger import Ledger, LedgerError, existing_keys
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+log = logging.getLogger(__name__)
+
+_INSTANCE_LABELS = ("ledger", "name", "engine", "pid")
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise KVCachedError(
+            "metrics need prometheus_client: pip install 'kvcached[metrics]'"
+        ) from None
+    return prometheus_client
+
+
+class LedgerCollector:
+    """A prometheus_client collector of device ledgers: `keys`, or with None every
+    ledger of this user in the ledger folder (looked up again at each scrape).
+
+    Ledgers that do not exist yet are skipped (and looked for again at the next
+    scrape), so an exporter can start before the first instance."""
+
+    def __init__(
+        self, keys: Sequence[str] | None = None, directory: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.keys = None if keys is None else list(keys)
+        self.directory = directory
+        self._ledgers: dict[str, Ledger] = {}
+        self._lock = threading.Lock()
+
+    def _ledger(self, key: str) -> Ledger | None:
+        ledger = self._ledgers.get(key)
+        if ledger is None:
+            try:
+                ledger = Ledger.open(key, create=False, directory=self.directory)
+            except LedgerError as exc:
+                log.debug("metrics: skipping ledger %s: %s", key, exc)
+                return None
+            self._ledgers[key] = ledger
+        return ledger
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        def gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=list(labels))
+
+        budget = gauge("kvcached_ledger_budget_bytes", "Device budget.", ["ledger"])
+        total_reserved = gauge(
+            "kvcached_ledger_reserved_bytes", "Reserved bytes, all instances.", ["ledger"]
+        )
+        total_used = gauge("kvcached_ledger_used_bytes", "Used bytes, all instances.", ["ledger"])
+        instances = gauge("kvcached_ledger_instances", "Registered instances.", ["ledger"])
+        reserved = gauge(
+            "kvcached_instance_reserved_bytes",
+            "Physical bytes the instance holds, empty pages included.",
+            _INSTANCE_LABELS,
+        )
+        used = gauge(
+            "kvcached_instance_used_bytes", "Bytes holding live KV blocks.", _INSTANCE_LABELS
+        )
+        limit = gauge("kvcached_instance_limit_bytes", "The instance's limit.", _INSTANCE_LABELS)
+        peak = gauge(
+            "kvcached_instance_peak_reserved_bytes",
+            "Highest reserved since the instance registered.",
+            _INSTANCE_LABELS,
+        )
+        refused = gauge(
+            "kvcached_instance_refused_charges",
+            "Charges refused because the limit or the budget was reached.",
+            _INSTANCE_LABELS,
+        )
+        with self._lock:
+            keys = existing_keys(self.directory) if self.keys is None else self.keys
+            for key in keys:
+                ledger = self._ledger(key)
+                if ledger is None:
+                    continue
+                try:
+                    totals, rows = ledger.snapshot()
+                except KVCachedError as exc:
+                    log.warning("metrics: cannot read ledger %s: %s", key, exc)
+                    continue
+                budget.add_metric([key], totals.budget)
+                total_reserved.add_metric([key], totals.reserved)
+                total_used.add_metric([key], totals.used)
+                instances.add_metric([key], totals.instances)
+                for row in rows:
+                    labels = [key, row.name, row.engine, str(row.pid)]
+                    reserved.add_metric(labels, row.reserved)
+                    used.add_metric(labels, row.used)
+                    peak.add_metric(labels, row.peak)
+                    refused.add_metric(labels, row.denied)
+                    if row.limit is not None:
+                        limit.add_metric(labels, row.limit)
+        yield from (budget, total_reserved, total_used, instances)
+        yield from (reserved, used, limit, peak, refused)
+
+    def close(self) -> None:
+        with self._lock:
+            for ledger in self._ledgers.values():
+                ledger.close()
+            self._ledgers.clear()
+
+
+class MetricsServer:
+    """A running metrics endpoint; `close()` stops it."""
+
+    def __init__(self, server: Any, thread: threading.Thread, collector: LedgerCollector) -> None:
+        self._server = server
+        self._thread = thread
+        self.collector = collector
+        self.addr: str = server.server_address[0]
+        self.port: int = server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+        self.collector.close()
+
+
+def serve(
+    keys: Sequence[str] | None = None,
+    *,
+    port: int,
+    addr: str = "127.0.0.1",
+    directory: str | os.PathLike[str] | None = None,
+) -> MetricsServer:
+    """Serve the ledgers `keys` (None: every ledger of this user in the ledger folder)
+    at http://addr:port/metrics in a daemon thread. Port 0
+    picks a free port (see `MetricsServer.port`). OSError when the port is taken."""
+    prometheus_client = _prometheus()
+    registry = prometheus_client.CollectorRegistry(auto_describe=True)
+    collector = LedgerCollector(keys, directory)
+    registry.register(collector)
+    server, thread = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    return MetricsServer(server, thread, collector)
+
+
+def start_from_settings() -> MetricsServer | None:
+    """Start the endpoint if KVCACHED_METRICS_PORT is set (for the allocator, once per
+    process). It exports every ledger of this user, so any one process serves all
+    devices. None when the variable is unset, the port is taken (another instance
+    serves it already) or prometheus_client is missing."""
+    from kvcached.config import settings
+
+    config = settings()
+    if config.metrics_port is None:
+        return None
+    try:
+        return serve(None, port=config.metrics_port, addr=config.metrics_addr)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        log.info("metrics port %d is taken; another process serves it", config.metrics_port)
+    except KVCachedError as exc:
+        log.warning("KVCACHED_METRICS_PORT is set but %s", exc)
+    return None

@@ -1,0 +1,378 @@
+"""kvctl, kvtop and the Prometheus endpoint, against a real ledger in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcached.config import reload_settings
+from kvcached.kvctl import app as kvctl
+from kvcached.kvtop import app as kvtop
+from kvcached.kvtop import format_bytes, usage_bar
+from kvcached.ledger import Ledger, LedgerAccount, ledger_path
+
+MiB = 1 << 20
+GiB = 1 << 30
+runner = CliRunner()
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_BACKEND", "host")
+    monkeypatch.setenv("COLUMNS", "120")
+    reload_settings()
+    return tmp_path
+
+
+@pytest.fixture
+def ledger(folder: Path) -> Iterator[Ledger]:
+    with Ledger.open("host-cpu", budget=8 * GiB) as opened:
+        yield opened
+
+
+@pytest.fixture
+def instances(ledger: Ledger) -> tuple[LedgerAccount, LedgerAccount]:
+    a = ledger.register("vllm-a", "vllm")
+    assert a.try_charge(3 * GiB)
+    a.set_used(2 * GiB)
+    b = ledger.register("sglang-b", "sglang", limit=2 * GiB)
+    assert b.try_charge(GiB)
+    return a, b
+
+
+# ------------------------------------------------------------------------ kvctl list
+def test_list_json_reports_every_instance(instances: object, ledger: Ledger) -> None:
+    result = runner.invoke(kvctl, ["list", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["key"] == "host-cpu"
+    assert report["path"] == str(ledger.path)
+    assert (report["budget"], report["reserved"], report["free"]) == (8 * GiB, 4 * GiB, 4 * GiB)
+    rows = {row["name"]: row for row in report["instances"]}
+    assert rows["vllm-a"]["used"] == 2 * GiB and rows["vllm-a"]["limit"] is None
+    assert rows["sglang-b"]["reserved"] == GiB and rows["sglang-b"]["limit"] == 2 * GiB
+    assert rows["vllm-a"]["pid"] == os.getpid()
+
+
+def test_list_table(instances: object) -> None:
+    result = runner.invoke(kvctl, ["list"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "2 instances, 4.00 GiB of 8.00 GiB reserved (50%), 2.00 GiB used" in lines[0]
+    assert lines[1].split()[:3] == ["NAME", "ENGINE", "PID"]
+    assert lines[2].split()[:5] == ["vllm-a", "vllm", str(os.getpid()), "2.00", "GiB"]
+
+
+def test_list_by_explicit_key_and_folder(tmp_path: Path) -> None:
+    with Ledger.open("cuda-3", budget=GiB, directory=tmp_path) as other:
+        other.register("x", "vllm")
+        result = runner.invoke(
+            kvctl, ["list", "--json", "--key", "cuda-3", "--ledger-dir", str(tmp_path)]
+        )
+        assert result.exit_code == 0, result.output
+        assert [r["name"] for r in json.loads(result.stdout)["instances"]] == ["x"]
+        result = runner.invoke(
+            kvctl,
+            ["list", "--backend", "cuda", "--device", "3", "--ledger-dir", str(tmp_path)],
+        )
+        # cuda is not available here: a clear error, not a traceback
+        assert result.exit_code == 1
+        assert "cuda" in result.stderr and "Traceback" not in result.output
+
+
+def test_list_without_a_ledger_is_a_clear_error(folder: Path) -> None:
+    result = runner.invoke(kvctl, ["list"])
+    assert result.exit_code == 1
+    assert "no kvcached ledger for 'host-cpu'" in result.stderr
+    assert not list(folder.iterdir())  # listing never creates a ledger
+
+
+def test_key_and_backend_together_are_refused(ledger: Ledger) -> None:
+    result = runner.invoke(kvctl, ["list", "--key", "host-cpu", "--backend", "host"])
+    assert result.exit_code == 1
+    assert "either --key or --backend" in result.stderr
+
+
+def test_corrupted_ledger_is_reported_not_crashed_on(folder: Path) -> None:
+    path = ledger_path("host-cpu")
+    path.write_bytes(b"garbage" * 100)
+    os.chmod(path, 0o600)
+    result = runner.invoke(kvctl, ["list"])
+    assert result.exit_code == 1
+    assert "not a kvcached ledger" in result.stderr
+    assert path.read_bytes() == b"garbage" * 100
+
+
+# ----------------------------------------------------------------------- kvctl limit
+def test_limit_by_size(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
+    a, _ = instances
+    result = runner.invoke(kvctl, ["limit", "vllm-a", "4GiB"])
+    assert result.exit_code == 0, result.output
+    assert "vllm-a: limit 4.00 GiB (50% of the budget), was -" in result.stdout
+    assert a.limit == 4 * GiB
+    assert result.stderr == ""
+
+
+def test_limit_by_percent_of_the_budget(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
+    _, b = instances
+    result = runner.invoke(kvctl, ["limit", "sglang-b", "25%"])
+    assert result.exit_code == 0, result.output
+    assert b.limit == 2 * GiB
+
+
+def test_limit_below_use_warns(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
+    a, _ = instances
+    result = runner.invoke(kvctl, ["limit", "vllm-a", "1GiB"])
+    assert result.exit_code == 0, result.output
+    assert a.limit == GiB
+    assert "holds 3.00 GiB, 2.00 GiB above its new limit" in " ".join(result.stderr.split())
+    assert not a.try_charge(1)
+    listing = runner.invoke(kvctl, ["list"])
+    assert "vllm-a is 2.00 GiB over its limit" in listing.stdout
+
+
+def test_limit_none_removes_it(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
+    _, b = instances
+    result = runner.invoke(kvctl, ["limit", "sglang-b", "none"])
+    assert result.exit_code == 0, result.output
+    assert b.limit is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["vllm-a", "lots"], "is not a size"),
+        (["vllm-a", "0"], "must be positive"),
+        (["vllm-a", "150%"], "percentage must be in"),
+        (["vllm-a", "1.5.5GiB"], "is not a size"),
+        (["--", "vllm-a", "-3GiB"], "is not a size"),
+    ],
+)
+def test_limit_rejects_malformed_sizes(
+    instances: tuple[LedgerAccount, LedgerAccount], args: list[str], message: str
+) -> None:
+    a, _ = instances
+    result = runner.invoke(kvctl, ["limit", *args])
+    assert result.exit_code == 1, result.output
+    assert message in result.stderr
+    assert a.limit is None
+
+
+def test_limit_of_unknown_instance(instances: object) -> None:
+    result = runner.invoke(kvctl, ["limit", "nobody", "1GiB"])
+    assert result.exit_code == 1
+    assert "no instance named 'nobody'" in result.stderr
+    assert "sglang-b, vllm-a" in result.stderr
+
+
+# ---------------------------------------------------------------------- kvctl budget
+def test_budget_show_and_set(instances: object, ledger: Ledger) -> None:
+    shown = runner.invoke(kvctl, ["budget"])
+    assert shown.exit_code == 0
+    assert "4.00 GiB of 8.00 GiB reserved" in shown.stdout
+    result = runner.invoke(kvctl, ["budget", "16GiB"])
+    assert result.exit_code == 0, result.output
+    assert "budget 16.0 GiB, was 8.00 GiB" in result.stdout
+    assert ledger.budget == 16 * GiB
+
+
+def test_budget_below_use_warns(instances: object, ledger: Ledger) -> None:
+    result = runner.invoke(kvctl, ["budget", "3GiB"])
+    assert result.exit_code == 0, result.output
+    assert "1.00 GiB above the new budget" in " ".join(result.stderr.split())
+    assert ledger.budget == 3 * GiB
+
+
+def test_budget_creates_a_missing_ledger(folder: Path) -> None:
+    result = runner.invoke(kvctl, ["budget", "2GiB"])
+    assert result.exit_code == 0, result.output
+    with Ledger.open("host-cpu", create=False) as created:
+        assert created.budget == 2 * GiB
+
+
+@pytest.mark.parametrize("size", ["nonsense", "0", "50%"])
+def test_budget_rejects_malformed_sizes(folder: Path, size: str) -> None:
+    result = runner.invoke(kvctl, ["budget", size])
+    assert result.exit_code == 1
+    assert "budget" in result.stderr
+    assert not list(folder.iterdir())
+
+
+def test_malformed_environment_is_reported(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", "not/absolute")
+    reload_settings()
+    result = runner.invoke(kvctl, ["list"])
+    assert result.exit_code == 1
+    assert "KVCACHED_LEDGER_DIR" in result.stderr
+
+
+# ------------------------------------------------------------ watch, forget, kvtop
+def test_watch_refreshes(instances: object) -> None:
+    result = runner.invoke(kvctl, ["watch", "--count", "2", "--interval", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert "vllm-a" in result.stdout and "sglang-b" in result.stdout
+
+
+def test_forget_refuses_a_live_instance(instances: object, ledger: Ledger) -> None:
+    result = runner.invoke(kvctl, ["forget", "vllm-a"])
+    assert result.exit_code == 1
+    assert "alive" in result.stderr
+    result = runner.invoke(kvctl, ["forget", "vllm-a", "--force"])
+    assert result.exit_code == 0
+    assert [r.name for r in ledger.rows()] == ["sglang-b"]
+
+
+def test_kvtop_once_draws_bars(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
+    result = runner.invoke(kvtop, ["--once"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "host-cpu: 2 instances, 4.00 GiB of 8.00 GiB reserved (50%)" in out
+    vllm = next(line for line in out.splitlines() if line.startswith("vllm-a"))
+    sglang = next(line for line in out.splitlines() if line.startswith("sglang-b"))
+    assert "█" in vllm and "▒" in vllm and "│" not in vllm  # no limit
+    assert "│" in sglang  # its limit is drawn
+    assert vllm.count("█") > sglang.count("█")
+
+
+def test_kvtop_without_ledger(folder: Path) -> None:
+    result = runner.invoke(kvtop, ["--once"])
+    assert result.exit_code == 1
+    assert "no kvcached ledger" in result.stderr
+
+
+def test_usage_bar_cells() -> None:
+    bar = usage_bar(used=25, reserved=50, limit=75, scale=100, width=8)
+    assert bar.plain == "██▒▒··│·"
+    over = usage_bar(used=50, reserved=100, limit=25, scale=100, width=4)
+    assert over.plain == "█│▒▒"
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(512 * MiB) == "512 MiB"
+    assert format_bytes(3 * GiB // 2) == "1.50 GiB"
+    assert format_bytes(int(12.5 * GiB)) == "12.5 GiB"
+    assert format_bytes(None) == "-"
+
+
+# ------------------------------------------------------------------------- metrics
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _scrape(url: str) -> Samples:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _get(samples: Samples, metric: str, **labels: str) -> float | None:
+    return samples.get((metric, frozenset(labels.items())))
+
+
+def test_metrics_endpoint_serves_gauges(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
+    from kvcached.metrics import serve
+
+    server = serve(port=0)
+    try:
+        assert server.addr == "127.0.0.1"
+        samples = _scrape(server.url)
+        pid = str(os.getpid())
+        a = {"ledger": "host-cpu", "name": "vllm-a", "engine": "vllm", "pid": pid}
+        b = {"ledger": "host-cpu", "name": "sglang-b", "engine": "sglang", "pid": pid}
+        assert _get(samples, "kvcached_ledger_budget_bytes", ledger="host-cpu") == 8 * GiB
+        assert _get(samples, "kvcached_ledger_reserved_bytes", ledger="host-cpu") == 4 * GiB
+        assert _get(samples, "kvcached_ledger_used_bytes", ledger="host-cpu") == 2 * GiB
+        assert _get(samples, "kvcached_ledger_instances", ledger="host-cpu") == 2
+        assert _get(samples, "kvcached_instance_reserved_bytes", **a) == 3 * GiB
+        assert _get(samples, "kvcached_instance_used_bytes", **a) == 2 * GiB
+        assert _get(samples, "kvcached_instance_peak_reserved_bytes", **a) == 3 * GiB
+        assert _get(samples, "kvcached_instance_refused_charges", **a) == 0
+        assert _get(samples, "kvcached_instance_limit_bytes", **b) == 2 * GiB
+        assert _get(samples, "kvcached_instance_limit_bytes", **a) is None  # no limit: absent
+        # Read at scrape time: a change shows at the next scrape.
+        instances[1].refund(GiB)
+        assert _get(_scrape(server.url), "kvcached_instance_reserved_bytes", **b) == 0
+    finally:
+        server.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_metrics_start_from_settings(instances: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcached.metrics import start_from_settings
+
+    assert start_from_settings() is None  # KVCACHED_METRICS_PORT unset
+    port = _free_port()
+    monkeypatch.setenv("KVCACHED_METRICS_PORT", str(port))
+    reload_settings()
+    first = start_from_settings()
+    assert first is not None
+    try:
+        assert first.port == port
+        assert start_from_settings() is None  # the port is taken: another process serves it
+        budget = _get(_scrape(first.url), "kvcached_ledger_budget_bytes", ledger="host-cpu")
+        assert budget == 8 * GiB
+    finally:
+        first.close()
+
+
+def test_metrics_skip_missing_ledgers(folder: Path) -> None:
+    from kvcached.metrics import serve
+
+    server = serve(["cuda-7"], port=0)
+    try:
+        assert _scrape(server.url) == {}  # nothing from cuda-7, nothing from other ledgers
+    finally:
+        server.close()
+
+
+def test_kvctl_serve_metrics_subprocess(instances: object, folder: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcached.kvctl", "serve-metrics", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "serving kvcached metrics of every ledger on http://127.0.0.1:" in line, line + (
+            proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
+        )
+        url = line.split(" on ", 1)[1].strip()
+        reserved = _get(_scrape(url), "kvcached_ledger_reserved_bytes", ledger="host-cpu")
+        assert reserved == 4 * GiB
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_console_scripts_are_installed() -> None:
+    bindir = Path(sys.executable).parent
+    for script in ("kvctl", "kvtop"):
+        result = subprocess.run(
+            [str(bindir / script), "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert "ledger" in result.stdout

@@ -1,0 +1,617 @@
+"""Unit tests of the cross-process ledger (kvcached.ledger)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcached import ledger as ledger_module
+from kvcached.accounting import BudgetAccount
+from kvcached.config import reload_settings, settings
+from kvcached.errors import InvalidArgument, KVCachedError
+from kvcached.ledger import (
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    MAGIC,
+    ROW_SIZE,
+    Ledger,
+    LedgerError,
+    default_key,
+    existing_keys,
+    ledger_key,
+    ledger_path,
+    process_start_time,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    reload_settings()
+    return tmp_path
+
+
+@pytest.fixture
+def ledger(folder: Path) -> Iterator[Ledger]:
+    with Ledger.open("host-cpu", budget=100 * MiB) as opened:
+        yield opened
+
+
+def _spawn_holder(folder: Path, name: str, nbytes: int) -> subprocess.Popen[str]:
+    """A process that registers `name`, charges `nbytes`, says 'ready' and sleeps."""
+    code = (
+        "import sys, time\n"
+        "from kvcached.ledger import Ledger\n"
+        f"l = Ledger.open('host-cpu', directory={str(folder)!r})\n"
+        f"a = l.register({name!r}, 'test')\n"
+        f"assert a.try_charge({nbytes})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+# ------------------------------------------------------------------ files and opening
+def test_created_file_is_owner_only_whatever_the_umask(folder: Path) -> None:
+    old = os.umask(0)
+    try:
+        with Ledger.open("host-cpu", budget=MiB) as created:
+            mode = stat.S_IMODE(os.stat(created.path).st_mode)
+    finally:
+        os.umask(old)
+    assert mode == 0o600
+    assert created.path == folder / f"kvcached-{os.geteuid()}-host-cpu.ledger"
+    assert [p.name for p in folder.iterdir()] == [created.path.name]  # no temp file left
+
+
+def test_header_is_versioned_and_sized(ledger: Ledger) -> None:
+    data = ledger.path.read_bytes()
+    assert data[:8] == MAGIC
+    version, header_size, row_size, capacity, budget = struct.unpack_from("<IIIIQ", data, 8)
+    assert (version, header_size, row_size) == (LAYOUT_VERSION, HEADER_SIZE, ROW_SIZE)
+    assert capacity == ledger.capacity
+    assert budget == 100 * MiB
+    assert len(data) == HEADER_SIZE + capacity * ROW_SIZE
+
+
+def test_open_existing_keeps_its_budget(ledger: Ledger) -> None:
+    with Ledger.open("host-cpu", budget=5 * MiB) as again:
+        assert again.budget == 100 * MiB
+        assert os.path.samefile(again.path, ledger.path)
+
+
+def test_creating_needs_a_budget_and_create_false_needs_a_file(folder: Path) -> None:
+    with pytest.raises(InvalidArgument, match="needs a budget"):
+        Ledger.open("cuda-3")
+    with pytest.raises(LedgerError, match="no kvcached ledger for 'cuda-3'"):
+        Ledger.open("cuda-3", budget=MiB, create=False)
+    assert not list(folder.iterdir())
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, "1GiB", True])
+def test_malformed_budget_is_invalid(folder: Path, budget: object) -> None:
+    with pytest.raises(InvalidArgument):
+        Ledger.open("host-cpu", budget=budget)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["", "../etc", "CUDA-0", "a/b", "x" * 65, "-lead"])
+def test_malformed_key_is_invalid(folder: Path, key: str) -> None:
+    with pytest.raises(InvalidArgument, match="ledger key"):
+        Ledger.open(key, budget=MiB)
+
+
+def test_concurrent_creators_share_one_file(folder: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        inodes = pool.starmap(_open_and_report_inode, [(str(folder), i) for i in range(8)])
+    assert len(set(inodes)) == 1
+    assert [p.name for p in folder.iterdir()] == [ledger_path("race-0", folder).name]
+
+
+def _open_and_report_inode(folder: str, i: int) -> int:
+    with Ledger.open("race-0", budget=(i + 1) * MiB, directory=folder) as opened:
+        return os.fstat(opened._fd).st_ino
+
+
+# ---------------------------------------------------------------- refusing bad files
+def _write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    path.write_bytes(data)
+    os.chmod(path, mode)
+
+
+def _valid_bytes(folder: Path) -> bytes:
+    with Ledger.open("scratch", budget=MiB, directory=folder) as scratch:
+        data = scratch.path.read_bytes()
+    scratch.path.unlink()
+    return data
+
+
+def test_foreign_file_is_refused_and_left_alone(folder: Path) -> None:
+    path = ledger_path("host-cpu")
+    size = HEADER_SIZE + 64 * ROW_SIZE
+    foreign = b"\x7fELF" + bytes(range(256)) * (size // 256)
+    _write(path, foreign[:size])
+    with pytest.raises(LedgerError, match="not a kvcached ledger"):
+        Ledger.open("host-cpu", budget=MiB)
+    assert path.read_bytes() == foreign[:size]
+
+
+@pytest.mark.parametrize("size", [0, 10, HEADER_SIZE, HEADER_SIZE + 5 * ROW_SIZE])
+def test_truncated_file_is_refused(folder: Path, size: int) -> None:
+    data = _valid_bytes(folder)[:size]
+    _write(ledger_path("host-cpu"), data)
+    with pytest.raises(LedgerError, match=r"too short|corrupted"):
+        Ledger.open("host-cpu", budget=MiB)
+    assert ledger_path("host-cpu").read_bytes() == data
+
+
+def test_file_with_extra_bytes_is_refused(folder: Path) -> None:
+    _write(ledger_path("host-cpu"), _valid_bytes(folder) + b"\0" * ROW_SIZE)
+    with pytest.raises(LedgerError, match="corrupted"):
+        Ledger.open("host-cpu")
+
+
+def test_corrupted_header_is_refused(folder: Path) -> None:
+    data = bytearray(_valid_bytes(folder))
+    struct.pack_into("<I", data, 20, 3)  # row count no longer matches the size
+    _write(ledger_path("host-cpu"), bytes(data))
+    with pytest.raises(LedgerError, match="corrupted"):
+        Ledger.open("host-cpu")
+
+
+def test_other_layout_version_is_refused_with_a_clear_error(folder: Path) -> None:
+    data = bytearray(_valid_bytes(folder))
+    struct.pack_into("<I", data, 8, LAYOUT_VERSION + 1)
+    _write(ledger_path("host-cpu"), bytes(data))
+    with pytest.raises(LedgerError, match=f"layout version {LAYOUT_VERSION + 1}.*understands"):
+        Ledger.open("host-cpu")
+
+
+def test_file_readable_by_others_is_refused(folder: Path) -> None:
+    _write(ledger_path("host-cpu"), _valid_bytes(folder), mode=0o644)
+    with pytest.raises(LedgerError, match=r"mode 0644.*chmod 600"):
+        Ledger.open("host-cpu")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_file_of_another_user_is_refused(folder: Path) -> None:
+    path = ledger_path("host-cpu")
+    _write(path, _valid_bytes(folder))
+    os.chown(path, 54321, -1)
+    with pytest.raises(LedgerError, match="owned by uid 54321"):
+        Ledger.open("host-cpu")
+
+
+def test_file_of_another_user_is_refused_without_root(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = ledger_path("host-cpu")
+    _write(path, _valid_bytes(folder))
+    real_fstat = os.fstat
+
+    def fstat_as_if_foreign(fd: int) -> os.stat_result:
+        info = list(real_fstat(fd))
+        info[stat.ST_UID] = os.geteuid() + 1
+        return os.stat_result(info)
+
+    monkeypatch.setattr(ledger_module.os, "fstat", fstat_as_if_foreign)
+    with pytest.raises(LedgerError, match="owned by uid"):
+        Ledger.open("host-cpu")
+
+
+def test_symlink_is_not_followed(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    target = tmp_path_factory.mktemp("elsewhere") / "victim"
+    target.write_bytes(b"precious")
+    ledger_path("host-cpu").symlink_to(target)
+    with pytest.raises(LedgerError, match="symbolic link"):
+        Ledger.open("host-cpu", budget=MiB)
+    assert target.read_bytes() == b"precious"
+
+
+def test_world_writable_folder_without_sticky_bit_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "open"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    with pytest.raises(LedgerError, match="writable by everyone"):
+        Ledger.open("host-cpu", budget=MiB, directory=folder)
+
+
+# ------------------------------------------------------------------------- accounts
+def test_account_is_a_budget_account(ledger: Ledger) -> None:
+    with ledger.register("a", "vllm") as account:
+        assert isinstance(account, BudgetAccount)
+        assert account.limit is None
+
+
+def test_charges_are_bounded_by_the_budget(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    b = ledger.register("b", "sglang")
+    assert a.try_charge(60 * MiB)
+    assert not b.try_charge(41 * MiB)
+    assert b.try_charge(40 * MiB)
+    assert not a.try_charge(1)
+    a.refund(10 * MiB)
+    assert b.try_charge(10 * MiB)
+    totals = ledger.totals()
+    assert (totals.reserved, totals.free, totals.instances) == (100 * MiB, 0, 2)
+    rows = {row.name: row for row in ledger.rows()}
+    assert rows["a"].reserved == 50 * MiB and rows["a"].peak == 60 * MiB
+    assert rows["b"].reserved == 50 * MiB and rows["b"].denied == 1
+    assert rows["a"].denied == 1
+
+
+def test_charges_are_bounded_by_the_limit(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm", limit=10 * MiB)
+    assert a.limit == 10 * MiB
+    assert a.try_charge(10 * MiB)
+    assert not a.try_charge(1)
+    assert a.reserved == 10 * MiB
+
+
+def test_zero_charge_succeeds_and_changes_nothing(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(0)
+    assert a.reserved == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, "4096", None, True])
+def test_malformed_amounts_are_invalid(ledger: Ledger, bad: object) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(MiB)
+    for method in (a.try_charge, a.refund, a.set_used):
+        with pytest.raises(InvalidArgument):
+            method(bad)  # type: ignore[arg-type]
+    assert a.reserved == MiB and a.used == 0
+
+
+def test_refunding_more_than_reserved_is_invalid_and_changes_nothing(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(MiB)
+    with pytest.raises(InvalidArgument, match="more than"):
+        a.refund(MiB + 1)
+    assert a.reserved == MiB
+
+
+def test_used_is_reported(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(8 * MiB)
+    a.set_used(3 * MiB)
+    assert ledger.totals().used == 3 * MiB
+    assert a.row().used == 3 * MiB
+
+
+@pytest.mark.parametrize("name", ["", " a", "a b", "a\nb", "ünï", "x" * 65, "-a", "a;rm"])
+def test_malformed_names_are_invalid(ledger: Ledger, name: str) -> None:
+    with pytest.raises(InvalidArgument, match="name"):
+        ledger.register(name, "vllm")
+    assert ledger.rows() == []
+
+
+def test_names_are_unique_among_live_instances(ledger: Ledger) -> None:
+    a = ledger.register("model/llama-3:8b", "vllm")
+    with pytest.raises(InvalidArgument, match="already registered"):
+        ledger.register("model/llama-3:8b", "sglang")
+    a.close()
+    ledger.register("model/llama-3:8b", "sglang")
+
+
+def test_malformed_limit_is_invalid(ledger: Ledger) -> None:
+    with pytest.raises(InvalidArgument, match="limit"):
+        ledger.register("a", "vllm", limit=-5)
+    a = ledger.register("a", "vllm")
+    for bad in (-1, 2.5, "1GiB"):
+        with pytest.raises(InvalidArgument, match="limit"):
+            ledger.set_limit("a", bad)  # type: ignore[arg-type]
+    assert a.limit is None
+
+
+def test_close_removes_the_row_and_ends_the_account(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(MiB)
+    a.close()
+    a.close()  # idempotent
+    assert ledger.rows() == []
+    assert ledger.totals().reserved == 0
+    with pytest.raises(LedgerError, match="closed"):
+        a.try_charge(1)
+
+
+def test_closing_the_ledger_closes_its_accounts(folder: Path) -> None:
+    first = Ledger.open("host-cpu", budget=MiB)
+    account = first.register("a", "vllm")
+    with Ledger.open("host-cpu") as observer:
+        assert len(observer.rows()) == 1
+        first.close()
+        assert observer.rows() == []
+    assert account.closed
+    with pytest.raises(LedgerError, match="closed"):
+        first.totals()
+
+
+def test_ledger_fills_up_with_a_clear_error(ledger: Ledger) -> None:
+    for i in range(ledger.capacity):
+        ledger.register(f"i{i}", "test")
+    with pytest.raises(LedgerError, match="full"):
+        ledger.register("one-too-many", "test")
+
+
+# -------------------------------------------------------------- limits and budget
+def test_limit_below_current_use_is_accepted_and_reported(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(30 * MiB)
+    change = ledger.set_limit("a", 20 * MiB)
+    assert (change.limit, change.previous, change.reserved) == (20 * MiB, None, 30 * MiB)
+    assert change.over_by == 10 * MiB
+    assert a.limit == 20 * MiB  # the allocator sees it at once
+    assert not a.try_charge(1)  # it stops growing
+    row = ledger.rows()[0]
+    assert row.over_limit == 10 * MiB
+    a.refund(15 * MiB)  # ... and shrinks towards the limit
+    assert a.try_charge(5 * MiB)
+    assert not a.try_charge(1)
+    assert ledger.set_limit("a", None).over_by == 0
+    assert a.limit is None and a.try_charge(MiB)
+
+
+def test_limit_of_unknown_instance_names_the_known_ones(ledger: Ledger) -> None:
+    ledger.register("alpha", "vllm")
+    with pytest.raises(InvalidArgument, match=r"no instance named 'beta'.*alpha"):
+        ledger.set_limit("beta", MiB)
+
+
+def test_budget_below_current_use_is_accepted_and_reported(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(60 * MiB)
+    change = ledger.set_budget(50 * MiB)
+    assert (change.budget, change.previous, change.over_by) == (50 * MiB, 100 * MiB, 10 * MiB)
+    assert ledger.budget == 50 * MiB
+    assert not a.try_charge(1)
+    a.refund(20 * MiB)
+    assert a.try_charge(10 * MiB)
+    assert not a.try_charge(1)
+    with pytest.raises(InvalidArgument):
+        ledger.set_budget(0)
+
+
+# ------------------------------------------------------------------ dead processes
+def test_killed_process_is_reclaimed_by_a_charge_that_would_fail(ledger: Ledger) -> None:
+    proc = _spawn_holder(ledger.path.parent, "victim", 70 * MiB)
+    try:
+        survivor = ledger.register("survivor", "vllm")
+        assert [r.name for r in ledger.rows(reclaim=False)] == ["victim", "survivor"]
+        assert survivor.try_charge(30 * MiB)
+        assert not survivor.try_charge(10 * MiB)  # the victim is alive: no reclaim
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert ledger.totals(reclaim=False).reserved == 100 * MiB  # not yet reclaimed
+        assert survivor.try_charge(40 * MiB)  # would fail; clears the dead row, then fits
+        assert [r.name for r in ledger.rows(reclaim=False)] == ["survivor"]
+        assert ledger.totals().reserved == 70 * MiB
+        assert survivor.row().denied == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_zombie_counts_as_dead(ledger: Ledger) -> None:
+    proc = _spawn_holder(ledger.path.parent, "zombie", 10 * MiB)
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while process_start_time(proc.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # not reaped: it stays a zombie until proc.wait()
+    try:
+        assert os.path.exists(f"/proc/{proc.pid}")
+        assert ledger.rows() == []
+    finally:
+        proc.wait()
+
+
+def test_reused_pid_is_not_mistaken_for_the_old_process(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(MiB)
+    # Forge a row with our own (live) pid but another start time: a reused pid.
+    ghost = ledger_module._Identity(os.getpid(), a._start - 1, ledger_module._pid_namespace())
+    b = ledger.register("ghost", "vllm")
+    with ledger._locked() as mm:
+        struct.pack_into(
+            "<IxxxxQ", mm, HEADER_SIZE + b.index * ROW_SIZE, ghost.pid, ghost.start_time
+        )
+    assert ledger.reclaim_dead() == 1
+    assert [r.name for r in ledger.rows()] == ["a"]
+    with pytest.raises(LedgerError, match="no longer belongs"):
+        b.try_charge(1)
+
+
+def test_rows_of_another_pid_namespace_are_left_alone(ledger: Ledger) -> None:
+    a = ledger.register("other-ns", "vllm")
+    assert a.try_charge(MiB)
+    with ledger._locked() as mm:
+        offset = HEADER_SIZE + a.index * ROW_SIZE
+        struct.pack_into("<IxxxxQQ", mm, offset, 999_999, 1, 12345)  # unknown pid, other ns
+    assert ledger.reclaim_dead() == 0
+    assert [r.name for r in ledger.rows()] == ["other-ns"]
+    with pytest.raises(InvalidArgument, match="another pid namespace"):
+        ledger.forget("other-ns")
+    row = ledger.forget("other-ns", force=True)
+    assert (row.reserved, row.pid_namespace) == (MiB, 12345)
+    assert ledger.rows() == []
+
+
+def test_forget_refuses_a_live_process_unless_forced(ledger: Ledger) -> None:
+    a = ledger.register("alive", "vllm")
+    with pytest.raises(InvalidArgument, match="alive"):
+        ledger.forget("alive")
+    ledger.forget("alive", force=True)
+    assert ledger.rows() == []
+    with pytest.raises(LedgerError, match="no longer belongs"):
+        a.refund(0)
+
+
+def test_rows_of_a_previous_boot_are_cleared_on_open(ledger: Ledger) -> None:
+    a = ledger.register("before-reboot", "vllm")
+    assert a.try_charge(MiB)
+    with ledger._locked() as mm:
+        mm[32:48] = b"\x01" * 16  # another boot id
+    with Ledger.open("host-cpu") as after:
+        assert after.rows(reclaim=False) == []
+    assert ledger.path.read_bytes()[32:48] == ledger_module._boot_id()
+
+
+def test_process_start_time_reads_field_22() -> None:
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        text = f.read()
+    expected = int(text[text.rfind(")") + 2 :].split()[19])
+    assert process_start_time(os.getpid()) == expected
+    assert process_start_time(2**22 + 12345) is None
+
+
+# --------------------------------------------------------------- threads and forks
+def test_threads_of_one_process_never_overcommit(ledger: Ledger) -> None:
+    accounts = [ledger.register(f"t{i}", "test") for i in range(2)]
+    held = [0] * 4  # per thread; threads 0 and 2 share account 0, 1 and 3 account 1
+    overs: list[int] = []
+
+    def work(i: int) -> None:
+        account = accounts[i % 2]
+        for n in range(3000):
+            if n % 3 != 2 and account.try_charge(7 * MiB):
+                held[i] += 7 * MiB
+            elif held[i]:
+                account.refund(7 * MiB)
+                held[i] -= 7 * MiB
+
+    def sample(stop: threading.Event) -> None:
+        while not stop.is_set():
+            total = ledger.totals(reclaim=False).reserved
+            if total > 100 * MiB:
+                overs.append(total)
+
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop,))
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, inside critical sections too
+    try:
+        sampler.start()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    finally:
+        stop.set()
+        sampler.join()
+        sys.setswitchinterval(interval)
+    assert overs == []
+    assert [a.reserved for a in accounts] == [held[0] + held[2], held[1] + held[3]]
+    assert ledger.totals().reserved == sum(held)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_must_register_its_own_instance(ledger: Ledger) -> None:
+    parent = ledger.register("parent", "vllm")
+    assert parent.try_charge(MiB)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            try:
+                parent.try_charge(1)
+            except LedgerError:
+                child = ledger.register("child", "vllm")
+                if child.try_charge(2 * MiB) and ledger.totals().reserved == 3 * MiB:
+                    code = 0
+                    # The child's flock must exclude the parent's: hold it while the
+                    # parent tries to take it.
+                    with ledger._locked():
+                        os.write(write, b"x")
+                        time.sleep(0.3)
+                child.close()
+        finally:
+            os._exit(code)
+    os.close(write)
+    assert os.read(read, 1) == b"x"
+    started = time.monotonic()
+    parent.refund(0)  # blocks until the child releases the lock
+    assert time.monotonic() - started > 0.1
+    _, status = os.waitpid(pid, 0)
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [r.name for r in ledger.rows()] == ["parent"]
+    assert parent.reserved == MiB
+
+
+# ------------------------------------------------------------------ keys and settings
+def test_ledger_keys() -> None:
+    assert ledger_key("cuda", 0) == "cuda-0"
+    assert ledger_key("cuda", "cuda:1") == "cuda-1"
+    assert ledger_key("host", "cpu") == "host-cpu"
+    with pytest.raises(InvalidArgument):
+        ledger_key("cuda", "../0")
+
+
+def test_default_key_follows_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_BACKEND", "host")
+    reload_settings()
+    assert default_key() == "host-cpu"
+    assert default_key("host", 3) == "host-3"
+
+
+def test_existing_keys(folder: Path) -> None:
+    assert existing_keys() == []
+    Ledger.open("cuda-1", budget=MiB).close()
+    Ledger.open("cuda-0", budget=MiB).close()
+    (folder / "kvcached-other.ledger").write_bytes(b"")
+    assert existing_keys() == ["cuda-0", "cuda-1"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("KVCACHED_LEDGER_DIR", "relative/dir", "KVCACHED_LEDGER_DIR"),
+        ("KVCACHED_METRICS_PORT", "eighty", "KVCACHED_METRICS_PORT"),
+        ("KVCACHED_METRICS_PORT", "70000", "KVCACHED_METRICS_PORT"),
+        ("KVCACHED_METRICS_PORT", "-1", "KVCACHED_METRICS_PORT"),
+    ],
+)
+def test_malformed_environment_is_named(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    reload_settings()
+    with pytest.raises(InvalidArgument, match=message):
+        settings()
+    if variable == "KVCACHED_LEDGER_DIR":
+        with pytest.raises(KVCachedError):
+            Ledger.open("host-cpu", budget=MiB)
+
+
+def test_missing_ledger_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(LedgerError, match="not usable"):
+        Ledger.open("host-cpu", budget=MiB, directory=tmp_path / "nope")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_ledger_folder_is_a_clear_error(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o500)
+    try:
+        with pytest.raises(LedgerError, match="cannot create a ledger"):
+            Ledger.open("host-cpu", budget=MiB, directory=tmp_path)
+    finally:
+        os.chmod(tmp_path, 0o700)
