@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-## The main job: what kvcached sees here, then the conformance suite on that backend.
+## The main job: what kvcached sees here, then the elastic-sharing demo on that backend.
 run: $(STAMP)
 	$(VENV)/bin/kvcached info
-	$(VENV)/bin/kvcached conformance
+	$(VENV)/bin/kvcached demo
 
 ## Lint, type-check and every test that needs no GPU (CI runs exactly this).
 test: $(STAMP) lint typecheck

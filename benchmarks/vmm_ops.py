@@ -107,7 +107,46 @@ class RawHost:
         self.libc.fallocate(self.fd, mode, handle, nbytes)
 
 
-RAW_DRIVERS: dict[str, Callable[[Any], Any]] = {"cuda": RawCuda, "host": RawHost}
+class RawRocm:
+    """The hip-python calls the ROCm backend makes, without kvcached around them."""
+
+    def __init__(self, backend: Any) -> None:
+        self.hip = backend._hip
+        self.prop = backend._prop
+        self.access = backend._access
+
+    def _ok(self, result: Any) -> Any:
+        err, *values = result
+        assert int(err) == 0, err
+        return values[0] if values else None
+
+    def reserve(self, nbytes: int, align: int) -> int:
+        from kvcached.backends.rocm import bindings
+
+        return bindings.address(self._ok(self.hip.hipMemAddressReserve(nbytes, align, None, 0)))
+
+    def free(self, address: int, nbytes: int) -> None:
+        self._ok(self.hip.hipMemAddressFree(address, nbytes))
+
+    def create(self, nbytes: int) -> Any:
+        return self._ok(self.hip.hipMemCreate(nbytes, self.prop, 0))
+
+    def map(self, address: int, nbytes: int, handle: Any) -> None:
+        self._ok(self.hip.hipMemMap(address, nbytes, 0, handle, 0))
+        self._ok(self.hip.hipMemSetAccess(address, nbytes, self.access, 1))
+
+    def unmap(self, address: int, nbytes: int) -> None:
+        self._ok(self.hip.hipMemUnmap(address, nbytes))
+
+    def release(self, handle: Any, nbytes: int) -> None:
+        self._ok(self.hip.hipMemRelease(handle))
+
+
+RAW_DRIVERS: dict[str, Callable[[Any], Any]] = {
+    "cuda": RawCuda,
+    "host": RawHost,
+    "rocm": RawRocm,
+}
 
 
 def _timed(fn: Callable[[], None]) -> float:

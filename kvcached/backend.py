@@ -26,6 +26,7 @@ short backend-wide lock that is never held across a driver call.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -336,24 +337,29 @@ class Backend(ABC):
         microseconds, and what kvcached adds must stay within a few percent of that.
         Anything unusual falls through to `map_many`, which raises the precise error."""
         g = self._g
-        if (
-            reservation.__class__ is not Reservation
-            or page.__class__ is not Page
-            or reservation.backend is not self
-            or page.backend is not self
-            or offset.__class__ is not int
-            or offset < 0
-            or offset % g
-        ):
+        try:  # AttributeError: not a Reservation / Page (only they have these slots)
+            if (
+                reservation.backend is not self
+                or page.backend is not self
+                or offset.__class__ is not int
+                or offset < 0
+                or offset % g
+            ):
+                raise AttributeError
+            first = offset // g
+            last = first + page._granules
+            occupied = reservation._occupied
+            mapped_in = page._mapped_in
+        except AttributeError:
             self.map_many(reservation, ((offset, page),))
             return
-        first = offset // g
-        last = first + page._granules
-        occupied = reservation._occupied
         with reservation._lock:
-            if reservation._closed or last > len(occupied) or occupied.find(1, first, last) >= 0:
+            if (
+                reservation._closed
+                or last > len(occupied)
+                or (occupied[first] if last - first == 1 else occupied.find(1, first, last) >= 0)
+            ):
                 raise self._map_error(reservation, offset, page)
-            mapped_in = page._mapped_in
             mapped_in.append(reservation)
             if page._closed:
                 mapped_in.remove(reservation)
@@ -398,21 +404,23 @@ class Backend(ABC):
         """Unmap [offset, offset + nbytes): it must cover whole mappings, with no gaps.
 
         Device work still using the range must be finished (see `synchronize`)."""
-        if reservation.__class__ is Reservation and reservation.backend is self:
-            with reservation._lock:
-                page = reservation._mappings.get(offset)
-                if page is not None and page.nbytes == nbytes and not reservation._closed:
-                    self._unmap_one(reservation.address + offset, nbytes)  # one whole mapping
-                    del reservation._mappings[offset]
-                    first = offset // self._g
-                    if page._granules == 1:
-                        reservation._occupied[first] = 0
-                    else:
-                        reservation._occupied[first : first + page._granules] = bytes(
-                            page._granules
-                        )
-                    page._mapped_in.remove(reservation)
-                    return
+        try:
+            if reservation.backend is self:
+                with reservation._lock:
+                    page = reservation._mappings.get(offset)
+                    if page is not None and page.nbytes == nbytes and not reservation._closed:
+                        self._unmap_one(reservation.address + offset, nbytes)  # one mapping
+                        del reservation._mappings[offset]
+                        first = offset // self._g
+                        granules = page._granules
+                        if granules == 1:
+                            reservation._occupied[first] = 0
+                        else:
+                            reservation._occupied[first : first + granules] = bytes(granules)
+                        page._mapped_in.remove(reservation)
+                        return
+        except AttributeError:
+            pass  # not a Reservation: unmap_many says so
         self.unmap_many(reservation, ((offset, nbytes),))
 
     def unmap_many(self, reservation: Reservation, ranges: Iterable[UnmapRequest]) -> None:
@@ -535,7 +543,7 @@ class Backend(ABC):
         """Validate a batch against the reservation and itself; return (address, page)."""
         g = self._g
         occupied = reservation._occupied
-        claimed = bytearray(len(occupied))  # granules this batch maps
+        claimed: list[tuple[int, int]] = []  # granule ranges this batch maps
         planned: list[tuple[int, Page]] = []
         for offset, page in requests:
             self._check_page(page)
@@ -554,10 +562,12 @@ class Backend(ABC):
                 raise InvalidArgument(
                     f"[{offset}, {end}) of {reservation!r} is already mapped; unmap it first"
                 )
-            if claimed.find(1, first, last) >= 0:
-                raise InvalidArgument(f"batch maps [{offset}, {end}) twice")
-            claimed[first:last] = b"\x01" * (last - first)
+            claimed.append((first, last))
             planned.append((reservation.address + offset, page))
+        claimed.sort()
+        for (_, end_before), (start, _) in itertools.pairwise(claimed):
+            if start < end_before:
+                raise InvalidArgument(f"batch maps granule {start} of {reservation!r} twice")
         return planned
 
     def _mappings_covering(self, reservation: Reservation, offset: int, nbytes: int) -> list[int]:

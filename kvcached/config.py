@@ -94,6 +94,12 @@ def _settings_class() -> type[BaseSettings]:
             default="2GiB",
             description="Unused KV bytes above which the allocator gives empty extents back.",
         )
+        pool_release_delay: float = Field(
+            default=1.0,
+            ge=0,
+            description="Seconds the unused KV bytes must stay above pool_high before "
+            "the allocator gives extents back (damps grow/release cycles).",
+        )
         ledger_dir: str | None = Field(
             default=None,
             description="Folder of the cross-process ledgers (absolute); default /dev/shm.",

@@ -241,7 +241,7 @@ def worker(
 
 def _token_bytes(config: DemoConfig) -> int:
     shape = MODEL_SHAPES[config.model]
-    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2
+    return int(2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2)
 
 
 def _percentile(values: list[float], pct: float) -> float:

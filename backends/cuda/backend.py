@@ -91,8 +91,8 @@ class CudaBackend(Backend):
         access.location.id = self._ordinal
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
-        self._oom = driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY
         self._success = driver.CUresult.CUDA_SUCCESS
+        self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -207,24 +207,37 @@ class CudaBackend(Backend):
             self._unmap_batch(done)
             raise
 
+    # The per-page forms skip the per-thread context check: the VMM calls take the
+    # device from their arguments, and if a driver does want a current context after
+    # all, the call fails with CUDA_ERROR_INVALID_CONTEXT and is retried once current.
     def _map_one(self, address: int, page: Page) -> None:
-        if not self._thread.current:
-            self._make_current()
         driver = self._driver
         (err,) = driver.cuMemMap(address, page.nbytes, 0, page.handle, 0)
         if err != self._success:
-            self._raise(err, "cuMemMap")
+            if err != self._no_context:
+                self._raise(err, "cuMemMap")
+            self._make_current()
+            (err,) = driver.cuMemMap(address, page.nbytes, 0, page.handle, 0)
+            if err != self._success:
+                self._raise(err, "cuMemMap")
         (err,) = driver.cuMemSetAccess(address, page.nbytes, self._access, 1)
         if err != self._success:
-            driver.cuMemUnmap(address, page.nbytes)
-            self._raise(err, "cuMemSetAccess")
+            if err == self._no_context:
+                self._make_current()
+                (err,) = driver.cuMemSetAccess(address, page.nbytes, self._access, 1)
+            if err != self._success:
+                driver.cuMemUnmap(address, page.nbytes)
+                self._raise(err, "cuMemSetAccess")
 
     def _unmap_one(self, address: int, nbytes: int) -> None:
-        if not self._thread.current:
-            self._make_current()
         (err,) = self._driver.cuMemUnmap(address, nbytes)
         if err != self._success:
-            self._raise(err, "cuMemUnmap")
+            if err != self._no_context:
+                self._raise(err, "cuMemUnmap")
+            self._make_current()
+            (err,) = self._driver.cuMemUnmap(address, nbytes)
+            if err != self._success:
+                self._raise(err, "cuMemUnmap")
 
     def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
         self._make_current()

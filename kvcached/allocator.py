@@ -1,0 +1,1173 @@
+"""The page allocator: hands out KV blocks and maps physical memory under them on demand.
+
+How it works
+------------
+A `KVLayout` group gives the allocator a virtual range per layer buffer (K, V, or a
+single buffer) and one page-id space across them: page id `p` is the byte range
+`[p * page_bytes, (p + 1) * page_bytes)` of every segment, and holds the blocks
+`p * blocks_per_page ... (p + 1) * blocks_per_page - 1`. An engine asks for blocks; the
+allocator answers with block ids whose bytes are backed by memory in every layer, and
+maps more memory when it runs out. Nothing here knows about engines or devices: blocks
+are ints, memory is the `Backend` seam, and the budget is a `BudgetAccount`.
+
+Why extents. A driver charges per physical handle, not per byte, and a handle can only
+be mapped whole (`cuMemMap` takes no offset into a handle). On an H200, creating,
+mapping and granting access to one handle costs ~60 us whether it holds 2 MiB or
+64 MiB. The per-layer layout needs one handle per segment for every growth step, so a
+36-layer model (72 segments) growing 1 GiB in 2 MiB pages pays for 576 handles, ~27 ms,
+often on the engine's critical path. So capacity grows in *extents*: a run of
+consecutive page ids backed, in each segment, by one physical page of
+`npages * page_bytes`, mapped with one `map_many` per layer reservation. In 32 MiB
+extents that model grows 2.25 GiB for 72 handles, ~4.4 ms; in 64 MiB extents 4.5 GiB
+for the same price. Blocks stay fine-grained (a block is still block_size tokens of one
+layer); only the unit of growth and release is large. The extent size is
+`KVCACHED_EXTENT_SIZE` per segment (32 MiB by default), rounded to whole page ids.
+Near a limit, or when the budget or the device refuses a full extent, an extent is
+halved until it fits (down to one page id), so an instance can use its whole allowance.
+
+Why release per extent. A handle cannot be released in part, and a mapping can only be
+unmapped whole. Giving back memory finer than an extent would mean re-mapping its live
+pages onto smaller handles and copying their bytes while kernels may be reading them,
+which needs the engine's cooperation. Instead an extent is released once every page id
+in it is empty, and allocation is arranged so that extents do empty: partly used pages
+are filled first (the one with the fewest free blocks), and a fresh page is opened at
+the lowest page id, so live blocks pack into the low extents while the high ones drain;
+empty extents are released highest first. Shrinking is therefore per extent, and a
+smaller extent size trades growth cost for release granularity.
+
+The pool. Fully free page ids of mapped extents are the pool. A background thread keeps
+it between two watermarks (`KVCACHED_POOL_LOW` / `KVCACHED_POOL_HIGH`, in bytes,
+converted to page ids): under the low one it maps another extent; over the high one,
+once it has stayed there for `KVCACHED_POOL_RELEASE_DELAY` seconds, it releases empty
+extents, but never one that would take the pool back under the low watermark. Both the
+hysteresis and the delay keep a bursty load from growing and releasing the same extent
+in turns; extents that an `alloc` waiting in the slow path has just grown are never
+given back under it. The thread sleeps on an event that the fast path sets only when a
+page changes state in a way that matters (a fresh page opened with the pool under the
+low watermark, or an extent became empty), and it polls the account every
+`poll_interval` so that a limit changed by another process (kvctl) is followed.
+
+Fast path. Per page id: a list of its free block ids. Single-block allocs pop from a
+*current* page until it is full; the next current page is the partly used one with the
+fewest free blocks (partly used pages sit in buckets by free-block count, with a bitmask
+of non-empty buckets, so that is the lowest set bit), else the lowest fresh page id (a
+min-heap). A single-block alloc or free is a handful of Python operations under one
+lock (explicit acquire/release: cheaper than `with`); a batch works page by page (a
+1,000-block free sorts the ids and splits them by page with bisect), so its cost grows
+with the pages touched more than with the blocks. The ids handed out are kept in a set,
+so freeing a block that is not allocated is an `InvalidArgument` that changes nothing.
+When the pool is warm, alloc makes no driver call.
+
+Locking. One lock guards the allocator's state and is never held across a driver call
+or an account call. Growth claims a range of page ids and the bytes it will charge
+(`inflight`) under the lock, then charges the account, creates and maps outside it,
+then commits under the lock. Release claims an empty extent under the lock (its pages
+leave every free structure, so no block can be handed out of it); outside it, it waits
+for the device (`Backend.synchronize`: a kernel in flight may still touch a block the
+engine has just freed, and an unmap does not wait for it), then unmaps, releases and
+refunds. Several threads may grow at once into different ranges; a thread that needs
+blocks which an in-flight growth will bring waits for it on a condition instead of
+growing twice.
+
+Accounting and limits. Bytes are charged to the account before pages are created and
+refunded if creating or mapping fails (an `OutOfMemory` from the backend becomes
+"exhausted", never an exception) and when an extent is released, so the account's
+charge always equals what the allocator holds. The limit is the smallest of the
+allocator's own (`set_limit`), the account's (`BudgetAccount.limit`, which may change
+at any time) and the virtual range. Growth stays under it. When it drops under what is
+held, empty extents are released at once and the emptiest busy ones are *drained*: no
+block is handed out of them any more, and each is released when its last block is
+freed. A page in use is never unmapped, so a shrink waits for the engine to free its
+blocks (`set_limit(..., wait=True)`). `alloc` answers None when the limit, the account
+or the device cannot supply the blocks, so the engine can preempt and retry.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import operator
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached.accounting import BudgetAccount
+from kvcached.backend import Page, Reservation
+from kvcached.errors import InvalidArgument, OutOfMemory
+from kvcached.layout import KVGroup
+
+log = logging.getLogger("kvcached.allocator")
+
+#: After the pool could not be refilled (limit, budget or device full), the background
+#: thread waits this long before it tries again (an alloc that needs memory still tries).
+REFILL_RETRY_S = 0.5
+
+#: The free list of every unmapped page id. Never mutated: the fast path only touches
+#: pages of mapped extents (a block id is only accepted if it is in the used set).
+_UNMAPPED: list[int] = []
+
+
+def _check_bytes(what: str, nbytes: object, *, optional: bool = False) -> int | None:
+    if nbytes is None and optional:
+        return None
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise InvalidArgument(f"{what} must be a non-negative int of bytes, got {nbytes!r}")
+    return nbytes
+
+
+def _bytes(what: str, nbytes: object) -> int:
+    checked = _check_bytes(what, nbytes)
+    if checked is None:
+        raise InvalidArgument(f"{what} must be a non-negative int of bytes, got None")
+    return checked
+
+
+def _pool_settings() -> tuple[int, int, int, float]:
+    """(extent size, pool low, pool high, release delay) from KVCACHED_* settings."""
+    from kvcached.config import parse_size, settings
+
+    config = settings()
+
+    def size(value: str, what: str) -> int:
+        return 0 if value.strip() == "0" else parse_size(value, what=what)
+
+    return (
+        size(config.extent_size, "KVCACHED_EXTENT_SIZE"),
+        size(config.pool_low, "KVCACHED_POOL_LOW"),
+        size(config.pool_high, "KVCACHED_POOL_HIGH"),
+        float(config.pool_release_delay),
+    )
+
+
+# --------------------------------------------------------------------------- accounts
+class LocalBudget:
+    """An in-process device budget that several `LocalAccount`s draw from.
+
+    The single-process stand-in for the shared ledger: every account charges against
+    `total` (None: unbounded) under one lock.
+    """
+
+    def __init__(self, total: int | None = None) -> None:
+        self.total = _check_bytes("budget total", total, optional=True)
+        self._lock = threading.Lock()
+        self._charged = 0
+
+    @property
+    def charged(self) -> int:
+        return self._charged
+
+    def account(self, limit: int | None = None) -> LocalAccount:
+        return LocalAccount(limit, budget=self)
+
+
+class LocalAccount:
+    """A `BudgetAccount` kept in this process: a counter, an optional limit, and
+    optionally a `LocalBudget` shared with other accounts. Thread safe."""
+
+    def __init__(self, limit: int | None = None, *, budget: LocalBudget | None = None) -> None:
+        self._limit = _check_bytes("limit", limit, optional=True)
+        self._budget = budget if budget is not None else LocalBudget()
+        self._charged = 0
+        self._used = 0
+        self.refused = 0  # charges turned down, for tests and metrics
+
+    def try_charge(self, nbytes: int) -> bool:
+        budget = self._budget
+        with budget._lock:
+            if self._limit is not None and self._charged + nbytes > self._limit:
+                self.refused += 1
+                return False
+            if budget.total is not None and budget._charged + nbytes > budget.total:
+                self.refused += 1
+                return False
+            self._charged += nbytes
+            budget._charged += nbytes
+            return True
+
+    def refund(self, nbytes: int) -> None:
+        budget = self._budget
+        with budget._lock:
+            if nbytes > self._charged:
+                raise InvalidArgument(f"refund of {nbytes} bytes; only {self._charged} charged")
+            self._charged -= nbytes
+            budget._charged -= nbytes
+
+    def set_used(self, nbytes: int) -> None:
+        self._used = nbytes
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    @limit.setter
+    def limit(self, nbytes: int | None) -> None:
+        self._limit = _check_bytes("limit", nbytes, optional=True)
+
+    @property
+    def charged(self) -> int:
+        """Bytes charged and not refunded: what the instance holds."""
+        return self._charged
+
+    @property
+    def used(self) -> int:
+        """The last value reported through `set_used`."""
+        return self._used
+
+
+# --------------------------------------------------------------------------- allocator
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A consistent snapshot of one allocator (taken under its lock)."""
+
+    capacity_blocks: int  # blocks in mapped page ids (including draining extents)
+    used_blocks: int  # blocks handed out and not freed
+    free_blocks: int  # counted in the free lists; always capacity_blocks - used_blocks
+    available_blocks: int  # free blocks that alloc can hand out (not in draining extents)
+    empty_pages: int  # fully free page ids ready for use: the pool
+    extents: int
+    mapped_pages: int  # page ids in those extents
+    draining_extents: int
+    reserved_bytes: int  # physical bytes held (charged to the account)
+    draining_bytes: int  # part of reserved_bytes waiting for blocks to be freed
+    releasing_bytes: int  # part of reserved_bytes being unmapped and refunded right now
+    inflight_bytes: int  # growth being charged / created / mapped right now
+    used_bytes: int  # used_blocks in bytes, over all segments
+    limit: int | None  # the allocator's own limit (the account's may be lower)
+    floor: int  # bytes `resize` asked to keep mapped
+
+
+class _Extent:
+    """Page ids [start, start + npages) backed by one physical page per segment."""
+
+    __slots__ = ("draining", "nonempty", "npages", "pages", "start")
+
+    def __init__(self, start: int, npages: int, pages: list[Page]) -> None:
+        self.start = start
+        self.npages = npages
+        self.pages = pages  # in the order of group.reservations, flattened
+        self.nonempty = 0  # page ids holding at least one used block
+        self.draining = False  # over the limit: hand nothing out, release once empty
+
+
+_NO_EXTENT = _Extent(-1, 0, [])  # the extent of every unmapped page id (never mutated)
+
+
+def _as_block_id(block: Any) -> int:
+    """`block` as a plain int (numpy integers welcome); TypeError for anything else."""
+    if isinstance(block, bool):
+        raise TypeError("a bool is not a block id")
+    return operator.index(block)
+
+
+class PageAllocator:
+    """Block allocator over one `KVGroup`: page-aware, elastic, thread safe.
+
+    Arguments:
+        group: the page-id space to allocate in (`KVLayout.groups[i]`).
+        account: charged before memory is created, refunded when it is released
+            (default: an unlimited `LocalAccount`).
+        limit: the allocator's own cap in bytes (None: only the account's and the
+            virtual range's). Change it with `set_limit`.
+        extent_bytes: physical page size per segment that capacity grows by
+            (default KVCACHED_EXTENT_SIZE), rounded down to whole page ids.
+        pool_low, pool_high: bytes of fully free mapped page ids to keep ready, and
+            above which empty extents are given back (default KVCACHED_POOL_LOW/HIGH).
+        release_delay: seconds the pool must stay above `pool_high` before empty
+            extents are given back (default KVCACHED_POOL_RELEASE_DELAY); 0 gives them
+            back at once, at the price of grow/release cycles under bursty load.
+        background: run the pool thread. Without it nothing is mapped ahead of
+            demand, and `maintain()` does the upkeep when called.
+        poll_interval: seconds between the thread's looks at the account's limit.
+
+    Invariants: a block id is handed out at most once until freed; used + free =
+    capacity (in blocks of mapped page ids); the account holds exactly the bytes of
+    the extents the allocator holds (plus growth in flight); growth never passes the
+    limit; no page holding a used block is ever unmapped (until `close`).
+    """
+
+    def __init__(
+        self,
+        group: KVGroup,
+        *,
+        account: BudgetAccount | None = None,
+        limit: int | None = None,
+        extent_bytes: int | None = None,
+        pool_low: int | None = None,
+        pool_high: int | None = None,
+        release_delay: float | None = None,
+        background: bool = True,
+        poll_interval: float = 0.05,
+    ) -> None:
+        if not isinstance(group, KVGroup):
+            raise InvalidArgument(f"expected a KVGroup, got {type(group).__name__}")
+        if account is not None and not isinstance(account, BudgetAccount):
+            raise InvalidArgument(f"{type(account).__name__} does not implement BudgetAccount")
+        if not isinstance(poll_interval, (int, float)) or poll_interval <= 0:
+            raise InvalidArgument(f"poll_interval must be positive seconds, got {poll_interval!r}")
+        if None in (extent_bytes, pool_low, pool_high, release_delay):
+            d_extent, d_low, d_high, d_delay = _pool_settings()
+            extent_bytes = d_extent if extent_bytes is None else extent_bytes
+            pool_low = d_low if pool_low is None else pool_low
+            pool_high = d_high if pool_high is None else pool_high
+            release_delay = d_delay if release_delay is None else release_delay
+        extent = _bytes("extent_bytes", extent_bytes)
+        low, high = _bytes("pool_low", pool_low), _bytes("pool_high", pool_high)
+        if high < low:
+            raise InvalidArgument(f"pool_high ({high}) is below pool_low ({low})")
+        if not isinstance(release_delay, (int, float)) or release_delay < 0:
+            raise InvalidArgument(f"release_delay must be seconds >= 0, got {release_delay!r}")
+
+        self.group = group
+        self.backend = group.segments[0].reservation.backend
+        self.account: BudgetAccount = account if account is not None else LocalAccount()
+        self._limit = _check_bytes("limit", limit, optional=True)
+        self._bpp = group.blocks_per_page
+        self._page_bytes = group.page_bytes
+        self._page_id_bytes = group.page_id_bytes
+        self._block_id_bytes = group.block_id_bytes
+        self._max_bytes = group.num_pages * group.page_id_bytes
+        self._extent_pages = max(1, extent // group.page_bytes)
+        self._low_pages = -(-low // self._page_id_bytes)
+        self._high_pages = max(self._low_pages, high // self._page_id_bytes)
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        # per page id
+        self._free_lists: list[list[int]] = [_UNMAPPED] * group.num_pages
+        self._page_ext: list[_Extent] = [_NO_EXTENT] * group.num_pages
+        # partly used pages of active extents, by free-block count, and which are non-empty
+        self._buckets: list[dict[int, None]] = [{} for _ in range(self._bpp)]
+        self._mask = 0
+        self._empty: list[int] = []  # min-heap of fully free pages of active extents
+        # The page single allocs pop from, in no bucket and not in the heap, and counted
+        # as non-empty in its extent while current; -1 and _UNMAPPED when there is none.
+        self._current = -1
+        self._current_list: list[int] = _UNMAPPED
+        self._used: set[int] = set()
+        self._available = 0  # free blocks in active (not draining) extents
+        self._capacity = 0  # blocks in mapped page ids
+        self._extents: dict[int, _Extent] = {}
+        self._holes: list[list[int]] = [[0, group.num_pages]]  # unmapped [start, length]
+        self._reserved = 0  # bytes charged for committed extents (and ones being released)
+        self._releasing = 0  # part of _reserved being unmapped and refunded
+        self._inflight = 0  # bytes claimed by growth not yet committed
+        self._inflight_pages = 0
+        self._floor = 0
+        self._demand = 0  # blocks asked for by allocs that are growing the pool
+        self._refill_failed_at = -float("inf")
+        self._reported_used = -1
+        self._closed = False
+        self.last_error: BaseException | None = None  # last failure of the background thread
+
+        self._wake = threading.Event()
+        self._poll_interval = float(poll_interval)
+        self._release_delay = float(release_delay)
+        self._over_high_since: float | None = None  # when the pool went above pool_high
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvcached-pool-{group.name}", daemon=True
+            )
+            self._thread.start()
+            self._wake.set()
+
+    # =================================================================== fast path
+    def alloc_one(self) -> int | None:
+        """One block id, or None when no block can be had (limit, budget or device)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            free_list = self._current_list
+            if free_list:
+                block = free_list.pop()
+                self._available -= 1
+                self._used.add(block)
+                return block
+            if self._available:
+                block = self._next_current().pop()
+                self._available -= 1
+                self._used.add(block)
+                return block
+        finally:
+            lock.release()
+        found = self._alloc_slow(1)
+        return None if found is None else found[0]
+
+    def alloc(self, n: int) -> list[int] | None:
+        """`n` block ids, or None (nothing taken) when they cannot all be had.
+
+        Takes from partly used pages first (fewest free blocks first), then from fresh
+        pages at the lowest page ids. If the mapped pages are short, maps more (in the
+        caller's thread, without holding the lock) as far as the limit, the account and
+        the device allow; None means exhausted: free blocks, or wait, and retry."""
+        if type(n) is not int or n < 0:
+            raise InvalidArgument(f"alloc needs a non-negative int count, got {n!r}")
+        if n == 1:
+            block = self.alloc_one()
+            return None if block is None else [block]
+        lock = self._lock
+        lock.acquire()
+        try:
+            if n <= self._available:
+                return self._take(n)
+        finally:
+            lock.release()
+        return self._alloc_slow(n)
+
+    def free_one(self, block: int) -> None:
+        """Give back one block id handed out by this allocator."""
+        if type(block) is not int:
+            try:
+                block = _as_block_id(block)
+            except TypeError:
+                raise InvalidArgument(f"a block id is an int, got {block!r}") from None
+        lock = self._lock
+        lock.acquire()
+        try:
+            try:
+                self._used.remove(block)
+            except KeyError:
+                if self._closed:
+                    return
+                raise InvalidArgument(f"block {block} is not allocated (double free?)") from None
+            page = block // self._bpp
+            if page == self._current:
+                self._current_list.append(block)
+                self._available += 1
+                return
+            self._return_blocks(page, [block])
+        finally:
+            lock.release()
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Give back block ids handed out by this allocator, all or none: an id that is
+        not allocated, or one given twice, is an InvalidArgument and nothing is freed."""
+        if type(blocks) is list and len(blocks) == 1:
+            self.free_one(blocks[0])
+            return
+        try:
+            ordered = sorted(blocks)
+            if type(sum(ordered)) is not int:  # a float or a numpy integer among them
+                ordered = sorted(map(_as_block_id, ordered))
+        except TypeError:
+            raise InvalidArgument("free needs an iterable of int block ids") from None
+        if not ordered:
+            return
+        bpp = self._bpp
+        lock = self._lock
+        lock.acquire()
+        try:
+            used = self._used
+            before = len(used)
+            used.difference_update(ordered)
+            if before - len(used) != len(ordered):
+                self._undo_bad_free(ordered)  # raises, unless closed: then a no-op
+                return
+            current = self._current
+            i, count = 0, len(ordered)
+            while i < count:
+                page = ordered[i] // bpp
+                j = bisect_left(ordered, (page + 1) * bpp, i)
+                if page == current:
+                    self._current_list += ordered[i:j]
+                    self._available += j - i
+                else:
+                    self._return_blocks(page, ordered[i:j])
+                i = j
+        finally:
+            lock.release()
+
+    def _undo_bad_free(self, ordered: list[int]) -> None:
+        """Under the lock: `free` was given an id that is not allocated, or one twice.
+        Put back in the used set those of `ordered` that were allocated (their pages'
+        free lists are untouched so far), then raise. After `close` it does nothing."""
+        if self._closed:
+            return
+        bpp, num_pages = self._bpp, self.group.num_pages
+        unknown: list[int] = []
+        for block in sorted(set(ordered)):
+            page = block // bpp
+            mapped = 0 <= page < num_pages and self._free_lists[page] is not _UNMAPPED
+            if mapped and block not in self._free_lists[page]:
+                self._used.add(block)  # it was allocated: undo its removal
+            else:
+                unknown.append(block)
+        if unknown:
+            raise InvalidArgument(f"blocks {unknown[:8]} are not allocated (double free?)")
+        raise InvalidArgument("free was given the same block id twice")
+
+    def _return_blocks(self, page: int, blocks: list[int]) -> None:
+        """Under the lock: put freed `blocks` of `page` (not the current page) back."""
+        free_list = self._free_lists[page]
+        k0 = len(free_list)
+        free_list += blocks
+        k = len(free_list)
+        extent = self._page_ext[page]
+        if extent.draining:
+            if k == self._bpp:
+                extent.nonempty -= 1
+                if extent.nonempty == 0:
+                    self._wake.set()  # the extent can go
+            return
+        self._available += k - k0
+        mask = self._mask
+        if k0:
+            bucket = self._buckets[k0]
+            del bucket[page]
+            if not bucket:
+                mask ^= 1 << k0
+        if k < self._bpp:
+            self._buckets[k][page] = None
+            self._mask = mask | (1 << k)
+            return
+        self._mask = mask
+        heapq.heappush(self._empty, page)
+        extent.nonempty -= 1
+        if extent.nonempty == 0 and len(self._empty) > self._high_pages:
+            self._wake.set()  # a whole extent is free and the pool is above its high mark
+
+    def _next_current(self) -> list[int]:
+        """Under the lock, with a free block available outside the current page: make
+        the page with the fewest free blocks (else the lowest fresh page) current."""
+        self._retire_current()
+        mask = self._mask
+        if mask:
+            k = (mask & -mask).bit_length() - 1
+            bucket = self._buckets[k]
+            page = bucket.popitem()[0]
+            if not bucket:
+                self._mask = mask ^ (1 << k)
+        else:
+            page = heapq.heappop(self._empty)
+            self._page_ext[page].nonempty += 1
+            if len(self._empty) < self._low_pages:
+                self._wake.set()
+        self._current = page
+        self._current_list = self._free_lists[page]
+        return self._current_list
+
+    def _retire_current(self) -> None:
+        """Under the lock: file the current page by its free count again, so that every
+        page is in the structure its state says (done before any planning)."""
+        page = self._current
+        if page < 0:
+            return
+        self._current = -1
+        self._current_list = _UNMAPPED
+        k = len(self._free_lists[page])
+        if k == self._bpp:
+            heapq.heappush(self._empty, page)
+            self._page_ext[page].nonempty -= 1
+        elif k:
+            self._buckets[k][page] = None
+            self._mask |= 1 << k
+
+    def _take(self, n: int) -> list[int]:
+        """Under the lock, with n <= available: n blocks, fullest pages first."""
+        self._retire_current()
+        out: list[int] = []
+        need = n
+        buckets, free_lists = self._buckets, self._free_lists
+        mask = self._mask
+        opened = False
+        while need:
+            if mask:
+                have = (mask & -mask).bit_length() - 1
+                bucket = buckets[have]
+                page = bucket.popitem()[0]
+                if not bucket:
+                    mask ^= 1 << have
+            else:
+                page = heapq.heappop(self._empty)
+                self._page_ext[page].nonempty += 1
+                have = self._bpp
+                opened = True
+            free_list = free_lists[page]
+            if need >= have:
+                out += free_list[::-1]  # lists are kept descending: hand out ascending
+                free_list.clear()
+                need -= have
+            else:
+                out += free_list[: -need - 1 : -1]
+                del free_list[-need:]
+                rest = have - need
+                buckets[rest][page] = None
+                mask |= 1 << rest
+                need = 0
+        self._mask = mask
+        self._available -= n
+        self._used.update(out)
+        if opened and len(self._empty) < self._low_pages:
+            self._wake.set()
+        return out
+
+    # ================================================================== slow path
+    def _alloc_slow(self, n: int) -> list[int] | None:
+        """Map more page ids until `n` blocks are available, then take them."""
+        with self._lock:
+            self._demand += n  # the pool must not give back what this call grows
+        try:
+            return self._grow_for(n)
+        finally:
+            with self._lock:
+                self._demand -= n
+
+    def _grow_for(self, n: int) -> list[int] | None:
+        bpp = self._bpp
+        while True:
+            limit = self._limit_now()
+            with self._lock:
+                while True:
+                    if self._closed:
+                        raise InvalidArgument("this allocator was closed")
+                    if n <= self._available:
+                        blocks = self._take(n)
+                        if len(self._empty) < self._low_pages:
+                            self._wake.set()
+                        return blocks
+                    deficit = n - self._available - self._inflight_pages * bpp
+                    if deficit > 0:
+                        break
+                    self._cond.wait()  # growth in flight will bring enough blocks
+                room = (limit - self._reserved - self._inflight) // self._page_id_bytes
+                unmapped = sum(length for _, length in self._holes)
+                if deficit > max(0, min(room, unmapped)) * bpp:
+                    return None  # more than the limit or the virtual range can ever hold
+                # a whole extent even if fewer page ids would do: growth costs per handle
+                claim = self._claim(self._extent_pages, limit)
+                if claim is None:
+                    if self._inflight_pages:
+                        self._cond.wait()
+                        continue
+                    return None
+            if self._build_claimed(*claim) == 0:
+                return None
+
+    # ===================================================================== growth
+    def _limit_now(self) -> int:
+        """The effective limit in bytes; reads the account, so call it without the lock."""
+        limit = self._max_bytes
+        own, theirs = self._limit, self.account.limit
+        if own is not None and own < limit:
+            limit = own
+        if theirs is not None and theirs < limit:
+            limit = theirs
+        return limit
+
+    def _claim(self, want: int, limit: int) -> tuple[int, int] | None:
+        """Under the lock: claim up to `want` unmapped page ids (first fit, else the
+        largest hole) and the bytes they will charge, if the limit has room for one."""
+        room = (limit - self._reserved - self._inflight) // self._page_id_bytes
+        npages = min(want, room)
+        if npages <= 0 or any(e.draining for e in self._extents.values()):
+            return None
+        holes = self._holes
+        best = -1
+        for i, (_, length) in enumerate(holes):
+            if length >= npages:
+                best = i
+                break
+            if best < 0 or length > holes[best][1]:
+                best = i
+        if best < 0:
+            return None
+        start, length = holes[best]
+        npages = min(npages, length)
+        if npages == length:
+            del holes[best]
+        else:
+            holes[best] = [start + npages, length - npages]
+        self._inflight += npages * self._page_id_bytes
+        self._inflight_pages += npages
+        return start, npages
+
+    def _unclaim(self, start: int, npages: int) -> None:
+        """Under the lock: give back page ids claimed for growth that did not happen."""
+        self._inflight -= npages * self._page_id_bytes
+        self._inflight_pages -= npages
+        self._return_range(start, npages)
+        self._cond.notify_all()
+
+    def _return_range(self, start: int, npages: int) -> None:
+        holes = self._holes
+        i = bisect_left(holes, [start, 0])
+        holes.insert(i, [start, npages])
+        if i + 1 < len(holes) and start + npages == holes[i + 1][0]:
+            holes[i][1] += holes[i + 1][1]
+            del holes[i + 1]
+        if i > 0 and holes[i - 1][0] + holes[i - 1][1] == start:
+            holes[i - 1][1] += holes[i][1]
+            del holes[i]
+
+    def _grow(self, want: int, limit: int) -> int:
+        """Map up to `want` page ids as one extent; the page ids mapped (0: refused)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            claim = self._claim(want, limit)
+        if claim is None:
+            return 0
+        return self._build_claimed(*claim)
+
+    def _build_claimed(self, start: int, npages: int) -> int:
+        """Charge, create and map claimed page ids, halving the extent each time the
+        account or the device refuses; commit it. Returns the page ids mapped."""
+        while True:
+            try:
+                pages = self._build(start, npages)
+            except BaseException:
+                with self._lock:
+                    self._unclaim(start, npages)
+                raise
+            if pages is not None:
+                with self._lock:
+                    committed = self._commit(start, npages, pages)
+                if committed:
+                    return npages
+                self._destroy(_Extent(start, npages, pages))  # closed meanwhile
+                with self._lock:
+                    self._unclaim(start, npages)
+                return 0
+            half = npages // 2
+            with self._lock:
+                self._unclaim(start + half, npages - half)
+            if half == 0:
+                return 0
+            npages = half
+
+    def _build(self, start: int, npages: int) -> list[Page] | None:
+        """Outside the lock: charge, create one page per segment and map them at page
+        id `start`. None (everything undone) when the account or the device refuses."""
+        nbytes = npages * self._page_id_bytes
+        if not self.account.try_charge(nbytes):
+            return None
+        size = npages * self._page_bytes
+        at = start * self._page_bytes
+        backend = self.backend
+        pages: list[Page] = []
+        mapped: list[tuple[Reservation, list[tuple[int, int]]]] = []
+        try:
+            for _ in self.group.segments:
+                pages.append(backend.create(size))
+            i = 0
+            for reservation, offsets in self.group.reservations:
+                items = [(offset + at, pages[i + j]) for j, offset in enumerate(offsets)]
+                backend.map_many(reservation, items)
+                mapped.append((reservation, [(offset + at, size) for offset in offsets]))
+                i += len(offsets)
+        except BaseException as exc:
+            try:
+                for reservation, ranges in mapped:
+                    backend.unmap_many(reservation, ranges)
+                for page in pages:
+                    backend.release(page)
+            finally:
+                self.account.refund(nbytes)
+            if isinstance(exc, OutOfMemory):
+                return None
+            raise
+        return pages
+
+    def _commit(self, start: int, npages: int, pages: list[Page]) -> bool:
+        """Under the lock: turn claimed, mapped page ids into a usable extent (False,
+        changing nothing, if the allocator was closed meanwhile)."""
+        if self._closed:
+            return False
+        nbytes = npages * self._page_id_bytes
+        self._inflight -= nbytes
+        self._inflight_pages -= npages
+        self._reserved += nbytes
+        self._cond.notify_all()
+        extent = _Extent(start, npages, pages)
+        self._extents[start] = extent
+        bpp = self._bpp
+        for page in range(start, start + npages):
+            first = page * bpp
+            self._free_lists[page] = list(range(first + bpp - 1, first - 1, -1))
+            self._page_ext[page] = extent
+            heapq.heappush(self._empty, page)
+        self._capacity += npages * bpp
+        self._available += npages * bpp
+        return True
+
+    # ==================================================================== release
+    def _extent_bytes(self, extent: _Extent) -> int:
+        return extent.npages * self._page_id_bytes
+
+    def _claim_release(self, extents: list[_Extent]) -> None:
+        """Under the lock: take empty extents out of service, to be destroyed."""
+        bpp = self._bpp
+        dropped: set[int] = set()
+        for extent in extents:
+            del self._extents[extent.start]
+            pages = range(extent.start, extent.start + extent.npages)
+            if not extent.draining:
+                self._available -= extent.npages * bpp
+                dropped.update(pages)
+            self._capacity -= extent.npages * bpp
+            for page in pages:
+                self._free_lists[page] = _UNMAPPED
+                self._page_ext[page] = _NO_EXTENT
+            self._releasing += self._extent_bytes(extent)
+        if dropped:
+            self._empty = [page for page in self._empty if page not in dropped]
+            heapq.heapify(self._empty)
+
+    def _destroy(self, extent: _Extent) -> None:
+        """Outside the lock: unmap an extent from every reservation, release, refund."""
+        size = extent.npages * self._page_bytes
+        at = extent.start * self._page_bytes
+        for reservation, offsets in self.group.reservations:
+            self.backend.unmap_many(reservation, [(offset + at, size) for offset in offsets])
+        for page in extent.pages:
+            self.backend.release(page)
+        self.account.refund(self._extent_bytes(extent))
+
+    def _release_claimed(self, extents: list[_Extent]) -> int:
+        """Outside the lock: destroy claimed extents and settle the books."""
+        if not extents:
+            return 0
+        # A block the engine freed may still be touched by a kernel in flight, and an
+        # unmap does not wait for the device (a fault in that kernel if it ran on).
+        self.backend.synchronize()
+        released = 0
+        for extent in extents:
+            self._destroy(extent)
+            nbytes = self._extent_bytes(extent)
+            with self._lock:
+                self._releasing -= nbytes
+                self._reserved -= nbytes
+                self._return_range(extent.start, extent.npages)
+                self._cond.notify_all()
+            released += nbytes
+        return released
+
+    def _drain(self, extent: _Extent) -> None:
+        """Under the lock: stop handing out blocks of `extent` (over the limit)."""
+        extent.draining = True
+        bpp, dropped = self._bpp, False
+        for page in range(extent.start, extent.start + extent.npages):
+            k = len(self._free_lists[page])
+            if k == bpp:
+                dropped = True
+            elif k:
+                bucket = self._buckets[k]
+                del bucket[page]
+                if not bucket:
+                    self._mask &= ~(1 << k)
+            self._available -= k
+        if dropped:
+            end = extent.start + extent.npages
+            self._empty = [p for p in self._empty if not extent.start <= p < end]
+            heapq.heapify(self._empty)
+
+    def _undrain(self, extent: _Extent) -> None:
+        """Under the lock: put a draining extent back in service (the limit rose)."""
+        extent.draining = False
+        bpp = self._bpp
+        for page in range(extent.start, extent.start + extent.npages):
+            k = len(self._free_lists[page])
+            if k == bpp:
+                heapq.heappush(self._empty, page)
+            elif k:
+                self._buckets[k][page] = None
+                self._mask |= 1 << k
+            self._available += k
+
+    def _plan_limit(self, limit: int) -> list[_Extent]:
+        """Under the lock: drain or undrain extents so that what is held can come within
+        `limit`; claim and return the extents that can be released now."""
+        self._retire_current()
+        held = self._reserved + self._inflight - self._releasing
+        draining = [e for e in self._extents.values() if e.draining]
+        pending = sum(self._extent_bytes(e) for e in draining)
+        if held - pending <= limit:
+            # the limit rose: put back the extents no longer needed, fullest first
+            for extent in sorted(draining, key=lambda e: -e.nonempty):
+                nbytes = self._extent_bytes(extent)
+                if held - pending + nbytes <= limit:
+                    self._undrain(extent)
+                    pending -= nbytes
+        else:
+            # emptiest first; among equals the highest, so live blocks pack low
+            candidates = sorted(
+                (e for e in self._extents.values() if not e.draining),
+                key=lambda e: (e.nonempty, -e.start),
+            )
+            for extent in candidates:
+                if held - pending <= limit:
+                    break
+                self._drain(extent)
+                pending += self._extent_bytes(extent)
+        empty = [e for e in self._extents.values() if e.draining and e.nonempty == 0]
+        self._claim_release(empty)
+        return empty
+
+    def _plan_pool_release(self, keep_pages: int, floor: int) -> list[_Extent]:
+        """Under the lock: claim empty extents, highest first, while the pool keeps
+        `keep_pages` fully free page ids and what is held stays at or above `floor`."""
+        self._retire_current()
+        keep_pages += -(-self._demand // self._bpp)  # growth that a waiting alloc made
+        empty_pages = len(self._empty)
+        held = self._reserved - self._releasing
+        chosen: list[_Extent] = []
+        for extent in sorted(self._extents.values(), key=lambda e: -e.start):
+            if extent.nonempty or extent.draining:
+                continue
+            nbytes = self._extent_bytes(extent)
+            if empty_pages - extent.npages < keep_pages or held - nbytes < floor:
+                continue
+            chosen.append(extent)
+            empty_pages -= extent.npages
+            held -= nbytes
+        self._claim_release(chosen)
+        return chosen
+
+    # ================================================================ maintenance
+    def maintain(self) -> int:
+        """One round of upkeep, what the background thread runs: follow the limit
+        (release, drain), keep the pool between its watermarks, keep `resize`'s floor,
+        and report used bytes to the account. Returns page ids mapped minus released."""
+        delta = 0
+        while True:
+            limit = self._limit_now()
+            grow = 0
+            with self._lock:
+                if self._closed:
+                    return delta
+                release = self._plan_limit(limit)
+                if not release and not any(e.draining for e in self._extents.values()):
+                    held = self._reserved + self._inflight - self._releasing
+                    pool = len(self._empty) + self._inflight_pages
+                    if held < self._floor:
+                        grow = -(-(self._floor - held) // self._page_id_bytes)
+                    elif pool < self._low_pages and (
+                        time.monotonic() - self._refill_failed_at > REFILL_RETRY_S
+                    ):
+                        grow = self._extent_pages
+                    elif len(self._empty) > self._high_pages:
+                        now = time.monotonic()
+                        if self._over_high_since is None:
+                            self._over_high_since = now
+                        if now - self._over_high_since >= self._release_delay:
+                            release = self._plan_pool_release(self._low_pages, self._floor)
+                    else:
+                        self._over_high_since = None
+            if release:
+                self._release_claimed(release)
+                delta -= sum(e.npages for e in release)
+            elif grow:
+                got = self._grow(min(grow, self._extent_pages), limit)
+                if not got:
+                    self._refill_failed_at = time.monotonic()
+                    break
+                delta += got
+            else:
+                break
+        self._report()
+        return delta
+
+    def _report(self) -> None:
+        used = len(self._used) * self._block_id_bytes
+        if used != self._reported_used:
+            self._reported_used = used
+            self.account.set_used(used)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self._poll_interval)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.maintain()
+            except Exception as exc:  # keep serving; the next round retries
+                self.last_error = exc
+                log.exception("kvcached pool upkeep failed")
+
+    # ================================================================ public knobs
+    @property
+    def limit(self) -> int | None:
+        """The allocator's own limit in bytes (the account's may be lower)."""
+        return self._limit
+
+    @property
+    def effective_limit(self) -> int:
+        """The smallest of the allocator's limit, the account's and the virtual range."""
+        return self._limit_now()
+
+    def set_limit(
+        self, nbytes: int | None, *, wait: bool = False, timeout: float | None = None
+    ) -> bool:
+        """Change the allocator's own limit. Lowering it releases empty extents now and
+        drains busy ones (released as their blocks are freed; a page in use is never
+        unmapped). With `wait`, block until what is held fits (or `timeout` seconds
+        pass). Returns whether it fits now."""
+        self._limit = _check_bytes("limit", nbytes, optional=True)
+        self.maintain()
+        self._wake.set()
+        if wait:
+            return self.wait_within_limit(timeout)
+        return self._within_limit(self._limit_now())
+
+    def _within_limit(self, limit: int) -> bool:
+        with self._lock:
+            return self._reserved + self._inflight <= limit
+
+    def wait_within_limit(self, timeout: float | None = None) -> bool:
+        """Block until what is held fits the effective limit; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.maintain()
+            limit = self._limit_now()
+            with self._lock:
+                if self._reserved + self._inflight <= limit or self._closed:
+                    return True
+                remaining = self._poll_interval
+                if deadline is not None:
+                    remaining = min(remaining, deadline - time.monotonic())
+                    if remaining <= 0:
+                        return False
+                self._cond.wait(remaining)
+
+    def resize(self, nbytes: int) -> int:
+        """Keep at least `nbytes` mapped (a floor the pool never releases below), and
+        map or release toward it now: grow to the smallest size >= `nbytes` the limit
+        allows; release empty extents, highest first, while what stays is >= `nbytes`.
+        Returns the bytes held afterwards."""
+        _check_bytes("resize target", nbytes)
+        with self._lock:
+            self._check_open()
+            self._floor = nbytes
+        while True:
+            limit = self._limit_now()
+            with self._lock:
+                held = self._reserved + self._inflight - self._releasing
+            if held >= nbytes:
+                break
+            need = -(-(nbytes - held) // self._page_id_bytes)
+            if not self._grow(min(need, self._extent_pages), limit):
+                break
+        with self._lock:
+            release = self._plan_pool_release(0, nbytes)
+        self._release_claimed(release)
+        return self.reserved_bytes
+
+    def trim(self, keep: int | None = None) -> int:
+        """Give back empty extents now, keeping `keep` bytes of fully free page ids
+        mapped (default: the pool's low watermark) and `resize`'s floor. Returns the
+        bytes released."""
+        if keep is None:
+            keep_pages = self._low_pages
+        else:
+            keep_pages = -(-(_check_bytes("keep", keep) or 0) // self._page_id_bytes)
+        with self._lock:
+            if self._closed:
+                return 0
+            release = self._plan_pool_release(keep_pages, self._floor)
+        released = self._release_claimed(release)
+        self._report()
+        return released
+
+    # ===================================================================== queries
+    @property
+    def reserved_bytes(self) -> int:
+        """Physical bytes held (what the account is charged), growth in flight excluded."""
+        return self._reserved
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._used)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def is_allocated(self, block: int) -> bool:
+        return block in self._used
+
+    def stats(self) -> AllocatorStats:
+        with self._lock:
+            self._retire_current()
+            used = len(self._used)
+            draining = [e for e in self._extents.values() if e.draining]
+            free = sum(
+                len(self._free_lists[page])
+                for e in self._extents.values()
+                for page in range(e.start, e.start + e.npages)
+            )
+            return AllocatorStats(
+                capacity_blocks=self._capacity,
+                used_blocks=used,
+                free_blocks=free,
+                available_blocks=self._available,
+                empty_pages=len(self._empty),
+                extents=len(self._extents),
+                mapped_pages=sum(e.npages for e in self._extents.values()),
+                draining_extents=len(draining),
+                reserved_bytes=self._reserved,
+                draining_bytes=sum(self._extent_bytes(e) for e in draining),
+                releasing_bytes=self._releasing,
+                inflight_bytes=self._inflight,
+                used_bytes=used * self._block_id_bytes,
+                limit=self._limit,
+                floor=self._floor,
+            )
+
+    def extents(self) -> list[tuple[int, int]]:
+        """(first page id, page ids) of every mapped extent, in page-id order."""
+        with self._lock:
+            return sorted((e.start, e.npages) for e in self._extents.values())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this allocator was closed")
+
+    # ==================================================================== lifetime
+    def close(self) -> None:
+        """Stop the pool thread, unmap and release every extent (blocks still in use
+        included: the engine is done with them) and refund the account. Idempotent;
+        `free` after close is a no-op, `alloc` an InvalidArgument."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            # growth and release running in other threads finish (or undo) themselves
+            while self._inflight or self._releasing:
+                self._cond.wait()
+            self._retire_current()
+            extents = list(self._extents.values())
+            for extent in extents:
+                extent.nonempty = 0
+            self._claim_release(extents)
+            self._used.clear()
+            self._buckets = [{} for _ in range(self._bpp)]
+            self._mask = 0
+            self._available = 0
+        self._release_claimed(extents)
+        self._report()
+
+    def __enter__(self) -> PageAllocator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._used)}/{self._capacity} blocks used"
+        return (
+            f"PageAllocator({self.group.name}, {self._bpp} blocks/page, "
+            f"{self._extent_pages} pages/extent, {state}, {self._reserved} bytes held)"
+        )
