@@ -100,6 +100,11 @@ def _settings_class() -> type[BaseSettings]:
             description="Seconds the unused KV bytes must stay above pool_high before "
             "the allocator gives extents back (damps grow/release cycles).",
         )
+        budget: str | None = Field(
+            default=None,
+            description="KV budget of a device ledger when kvcached creates it: a size, "
+            "or a percentage of the device's memory. Default: all of it.",
+        )
         ledger_dir: str | None = Field(
             default=None,
             description="Folder of the cross-process ledgers (absolute); default /dev/shm.",

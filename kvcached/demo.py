@@ -115,47 +115,39 @@ def worker(
     mode: str,
     instance: int,
     ledger_dir: str,
-    ledger_key: str,
     reports: Any,
     start: Any,
 ) -> None:
-    """One model instance: its own backend, KV layout and allocator; the shared ledger."""
-    os.environ["KVCACHED_LEDGER_DIR"] = ledger_dir
+    """One model instance: a `KVCache` of its own, charged to the demo's ledger."""
+    os.environ["KVCACHED_LEDGER_DIR"] = ledger_dir  # the demo's ledger, not the device's
     import torch
 
-    from kvcached.allocator import PageAllocator
-    from kvcached.layout import KVLayout
-    from kvcached.ledger import Ledger
-    from kvcached.registry import backend_class, resolve_name
+    from kvcached.cache import KVCache
+    from kvcached.layout import LayerSpec
 
     torch.set_num_threads(1)
-    backend = backend_class(resolve_name(config.backend))()
     shape = MODEL_SHAPES[config.model]
-    ledger = Ledger.open(ledger_key, create=False, directory=ledger_dir)
-    limit = config.budget // config.instances if mode == "static" else None
-    account = ledger.register(f"{mode}-{instance}", "demo", limit=limit)
-    max_tokens = config.budget // _token_bytes(config)
-    layout = KVLayout.uniform(
-        backend,
-        shape["num_layers"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        dtype="bfloat16",
+    layer = LayerSpec(shape["num_kv_heads"], shape["head_dim"], "bfloat16")
+    page_bytes = 2 << 20  # the granularity of host and CUDA: one page id per extent
+    cache = KVCache(
+        [layer] * shape["num_layers"],
         block_size=config.block_size,
-        max_tokens=max_tokens,
+        name=f"{mode}-{instance}",
+        engine="demo",
+        limit=config.budget // config.instances if mode == "static" else None,
+        backend=config.backend,
+        max_tokens=config.budget // _token_bytes(config),
+        extent_bytes=page_bytes,  # grow and shrink one page id at a time
+        pool_low=0,  # an idle pool is memory a neighbour in a burst cannot have
+        pool_high=page_bytes * 2 * shape["num_layers"],  # at most one idle page id
+        release_delay=0.2,
     )
-    group = layout.groups[0]
-    allocator = PageAllocator(
-        group,
-        account=account,
-        extent_bytes=group.page_bytes,  # grow and shrink one page id at a time
-        pool_low=group.page_id_bytes,
-        pool_high=2 * group.page_id_bytes,
-    )
+    allocator = cache.allocators[0]
+    group = cache.layout.groups[0]
     # [num_blocks, block_size * heads * head_dim] per K and per V of every layer
     views = [
-        layout.view(layer, part).view(group.num_blocks, -1)
-        for layer in range(shape["num_layers"])
+        cache.view(index, part).view(group.num_blocks, -1)
+        for index in range(shape["num_layers"])
         for part in ("k", "v")
     ]
     load = deque(make_load(config, instance))
@@ -232,11 +224,7 @@ def worker(
     )
     for request in running:
         allocator.free(request.blocks)
-    allocator.close()
-    layout.close()
-    account.close()
-    ledger.close()
-    backend.close()
+    cache.close()
 
 
 def _token_bytes(config: DemoConfig) -> int:
@@ -285,18 +273,19 @@ def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
     """Start the workers of one mode on a fresh ledger and collect their reports."""
     from rich.live import Live
 
-    from kvcached.ledger import Ledger
+    from kvcached.ledger import Ledger, default_key
 
     context = mp.get_context("spawn")
     reports = context.Queue()
     start = context.Event()
     with tempfile.TemporaryDirectory(prefix="kvcached-demo-") as ledger_dir:
-        key = f"demo-{mode}-{os.getpid()}"
-        ledger = Ledger.open(key, budget=config.budget, directory=ledger_dir)
+        ledger = Ledger.open(
+            default_key(config.backend), budget=config.budget, directory=ledger_dir
+        )
         processes = [
             context.Process(
                 target=worker,
-                args=(config, mode, i, ledger_dir, key, reports, start),
+                args=(config, mode, i, ledger_dir, reports, start),
                 name=f"kvcached-demo-{mode}-{i}",
             )
             for i in range(config.instances)

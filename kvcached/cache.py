@@ -1,0 +1,170 @@
+"""`KVCache`: one engine instance's elastic KV cache, wired to the device's ledger.
+
+This is the piece an engine adapter creates once per model instance. It puts the
+layers together: the process's backend (`kvcached.get_backend()`), the device ledger
+(opened, or created with the device's budget, and one row registered for this
+instance), a `KVLayout` for the model's layers and one `PageAllocator` per layout group,
+all charging the one ledger row. Adapters then only translate: block ids in and out
+(`alloc`, `free`) and tensors for the attention kernels (`view`).
+
+Several groups share one ledger row, but each allocator reports the bytes its live
+blocks hold on its own, so the row's `used` is kept as their sum by `_GroupAccount`.
+
+The ledger's budget is fixed by whoever creates it: `budget=` here, else
+KVCACHED_BUDGET (a size, or a percentage of the device's memory), else all of the
+device's memory; `kvctl budget` changes it later.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvcached.allocator import PageAllocator
+from kvcached.backend import Backend
+from kvcached.config import parse_size, settings
+from kvcached.errors import InvalidArgument
+from kvcached.layout import KVLayout, LayerSpec, Part
+from kvcached.ledger import Ledger, LedgerAccount, ledger_key
+
+
+class _GroupAccount:
+    """One group's view of the instance's ledger row: charges go straight through,
+    `set_used` reports the sum over the groups."""
+
+    def __init__(self, row: LedgerAccount, used: list[int], index: int, lock: threading.Lock):
+        self._row, self._used, self._index, self._lock = row, used, index, lock
+
+    def try_charge(self, nbytes: int) -> bool:
+        return self._row.try_charge(nbytes)
+
+    def refund(self, nbytes: int) -> None:
+        self._row.refund(nbytes)
+
+    def set_used(self, nbytes: int) -> None:
+        with self._lock:
+            self._used[self._index] = nbytes
+            total = sum(self._used)
+        self._row.set_used(total)
+
+    @property
+    def limit(self) -> int | None:
+        return self._row.limit
+
+
+class KVCache:
+    """The KV cache of one model instance.
+
+    Arguments:
+        layers: one `LayerSpec` per attention layer.
+        block_size: tokens per block.
+        name: this instance's name in the ledger (unique among live instances of the
+            device; `kvctl limit NAME ...` uses it).
+        engine: what runs it ("vllm", "sglang", "mlx-lm", ...), shown by kvctl/kvtop.
+        limit: this instance's cap in bytes (None: only the device budget bounds it).
+        budget: the device budget if this call creates the ledger.
+        backend: a backend instance, or a name; default: the process's backend.
+        max_tokens: virtual capacity per group (default: what the device could hold).
+        allocator_options: passed to every `PageAllocator` (extent_bytes, pool_low, ...).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        *,
+        block_size: int,
+        name: str,
+        engine: str = "custom",
+        limit: int | None = None,
+        budget: int | str | None = None,
+        backend: Backend | str | None = None,
+        max_tokens: int | None = None,
+        **allocator_options: Any,
+    ) -> None:
+        from kvcached.registry import get_backend
+
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+        total = self.backend.mem_info()[1]
+        requested = budget if budget is not None else settings().budget
+        device_budget = (
+            total if requested is None else parse_size(requested, total=total, what="budget")
+        )
+        self.ledger = Ledger.open(
+            ledger_key(self.backend.name, self.backend.device), budget=device_budget
+        )
+        self._closed = False
+        try:
+            self.account = self.ledger.register(name, engine, limit)
+            try:
+                self.layout = KVLayout(
+                    self.backend, layers, block_size=block_size, max_tokens=max_tokens
+                )
+                used = [0] * len(self.layout.groups)
+                lock = threading.Lock()
+                self.allocators = [
+                    PageAllocator(
+                        group,
+                        account=_GroupAccount(self.account, used, i, lock),
+                        **allocator_options,
+                    )
+                    for i, group in enumerate(self.layout.groups)
+                ]
+            except BaseException:
+                self.account.close()
+                raise
+        except BaseException:
+            self.ledger.close()
+            raise
+
+    # ------------------------------------------------------------------ blocks
+    def _allocator(self, group: int) -> PageAllocator:
+        if not 0 <= group < len(self.allocators):
+            raise InvalidArgument(
+                f"group {group} does not exist; this cache has {len(self.allocators)} "
+                "group(s) (see KVCache.layout.groups)"
+            )
+        return self.allocators[group]
+
+    def alloc(self, n: int, group: int = 0) -> list[int] | None:
+        """`n` block ids of `group`, or None when memory is exhausted (preempt, retry)."""
+        return self._allocator(group).alloc(n)
+
+    def free(self, blocks: Iterable[int], group: int = 0) -> None:
+        self._allocator(group).free(blocks)
+
+    def view(self, layer: int, part: Part = "kv", **options: Any) -> Any:
+        """The zero-copy tensor of `layer`'s K, V or both (see `KVLayout.view`)."""
+        return self.layout.view(layer, part, **options)
+
+    def set_limit(self, nbytes: int | None) -> None:
+        """Change this instance's limit in the ledger; the allocators follow it."""
+        self.ledger.set_limit(self.account.name, nbytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(allocator.reserved_bytes for allocator in self.allocators)
+
+    # --------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Give every page back, remove the ledger row. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for allocator in self.allocators:
+                allocator.close()
+            self.layout.close()
+        finally:
+            self.account.close()
+            self.ledger.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
