@@ -8,8 +8,10 @@ both see the same machine state. Prints one JSON object per line:
     {"bench": "vmm_ops", "backend": "cuda", "page_mib": 2, "op": "map",
      "kvcached_us": 41.2, "raw_us": 40.1, "ratio": 1.027, ...}
 
-plus a `map+unmap` row per size (the figure the overhead target is about) and a
-`map_many` row (our batch form, which grants access once per contiguous run).
+plus a `map+unmap` row per size (the figure the overhead target is about) and
+`map_many` / `unmap_many` / `batch map+unmap` rows: our batch forms, one call for all
+pages of a round (set-access once per contiguous run), against the same raw per-page
+calls.
 
     python benchmarks/vmm_ops.py [--backend cuda|host] [--rounds 7] [--pages 64]
 """
@@ -170,7 +172,9 @@ def round_kvcached(backend: Backend, size: int, pages: int) -> dict[str, float]:
     totals["map_many"] = _timed(
         lambda: backend.map_many(reservation, [(i * size, p) for i, p in enumerate(made)])
     )
-    backend.unmap(reservation, 0, size * pages)
+    totals["unmap_many"] = _timed(
+        lambda: backend.unmap_many(reservation, [(i * size, size) for i in range(pages)])
+    )
     totals["release"] = _timed(lambda: [backend.release(p) for p in made])
     backend.free(reservation)
     return totals
@@ -220,8 +224,12 @@ def main() -> None:
                 base.setdefault(op, []).append(us / pages)
         ours["map+unmap"] = [m + u for m, u in zip(ours["map"], ours["unmap"], strict=True)]
         base["map+unmap"] = [m + u for m, u in zip(base["map"], base["unmap"], strict=True)]
-        base["map_many"] = base["map"]
-        for op in (*OPS, "map+unmap", "map_many"):
+        ours["batch map+unmap"] = [
+            m + u for m, u in zip(ours["map_many"], ours["unmap_many"], strict=True)
+        ]
+        base["map_many"], base["unmap_many"] = base["map"], base["unmap"]
+        base["batch map+unmap"] = base["map+unmap"]
+        for op in (*OPS, "map+unmap", "map_many", "unmap_many", "batch map+unmap"):
             mine, theirs = statistics.median(ours[op]), statistics.median(base[op])
             print(
                 json.dumps(

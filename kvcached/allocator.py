@@ -98,6 +98,7 @@ from kvcached.accounting import BudgetAccount
 from kvcached.backend import Page, Reservation
 from kvcached.errors import InvalidArgument, OutOfMemory
 from kvcached.layout import KVGroup
+from kvcached.lifetime import Closeable
 
 log = logging.getLogger("kvcached.allocator")
 
@@ -262,7 +263,7 @@ def _as_block_id(block: Any) -> int:
     return operator.index(block)
 
 
-class PageAllocator:
+class PageAllocator(Closeable):
     """Block allocator over one `KVGroup`: page-aware, elastic, thread safe.
 
     Arguments:
@@ -1086,10 +1087,6 @@ class PageAllocator:
     def capacity_blocks(self) -> int:
         return self._capacity
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def is_allocated(self, block: int) -> bool:
         return block in self._used
 
@@ -1158,12 +1155,6 @@ class PageAllocator:
             self._available = 0
         self._release_claimed(extents)
         self._report()
-
-    def __enter__(self) -> PageAllocator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._used)}/{self._capacity} blocks used"

@@ -33,12 +33,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from kvcached.errors import InvalidArgument, OutOfMemory
+from kvcached.lifetime import Closeable
 
 MappingRequest = tuple[int, "Page"]
 UnmapRequest = tuple[int, int]
 
 
-class Reservation:
+class Reservation(Closeable):
     """A reserved virtual address range of `nbytes`; holds no physical memory by itself.
 
     Bookkeeping is per granule: `_occupied[i]` is 1 while granule i is mapped, so an
@@ -55,10 +56,6 @@ class Reservation:
         self._occupied = bytearray(nbytes // backend._g)
         self._lock = threading.Lock()
         self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def mapped_bytes(self) -> int:
@@ -81,13 +78,6 @@ class Reservation:
     def close(self) -> None:
         self.backend.free(self)
 
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._closed:
-            self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._mappings)} mappings"
         return (
@@ -96,7 +86,7 @@ class Reservation:
         )
 
 
-class Page:
+class Page(Closeable):
     """A physical allocation of `nbytes` that can be mapped into reservations.
 
     `_mapped_in` lists the reservations it is mapped into (once per mapping). Appending
@@ -115,29 +105,18 @@ class Page:
         self._closed = False
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def mapped_count(self) -> int:
         return len(self._mapped_in)
 
     def close(self) -> None:
         self.backend.release(self)
 
-    def __enter__(self) -> Page:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._closed:
-            self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"mapped {len(self._mapped_in)}x"
         return f"Page({self.backend.name}, nbytes={self.nbytes}, {state})"
 
 
-class Backend(ABC):
+class Backend(Closeable, ABC):
     """One accelerator (or the host) seen as reserve / create / map / unmap / release."""
 
     #: Registry name, as used by KVCACHED_BACKEND and the `kvcached.backends` entry points.
@@ -240,7 +219,7 @@ class Backend(ABC):
         """`_unmap_batch` of one mapping; backends override it when one call is cheaper."""
         self._unmap_batch(((address, nbytes),))
 
-    def _close_device(self) -> None:  # noqa: B027 - optional hook, most backends need it
+    def _close_device(self) -> None:
         """Drop device handles (contexts, file descriptors) once everything is returned."""
 
     # ------------------------------------------------------------- public API
@@ -253,7 +232,7 @@ class Backend(ABC):
             return g
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def synchronize(self) -> None:  # noqa: B027 - a no-op where writes are synchronous
+    def synchronize(self) -> None:
         """Wait for device work that may still touch mapped memory. `unmap` does not
         wait (a driver unmap under a running kernel is the caller's bug, as with
         cuMemUnmap), so whoever unmaps memory that kernels used calls this first."""
@@ -484,16 +463,6 @@ class Backend(ABC):
                 self.release(page)
         self._closed = True
         self._close_device()
-
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def live_counts(self) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
 from kvcached.layout import KVLayout, LayerSpec, Part
 from kvcached.ledger import Ledger, LedgerAccount, ledger_key
+from kvcached.lifetime import Closeable
 
 
 class _GroupAccount:
@@ -53,7 +54,7 @@ class _GroupAccount:
         return self._row.limit
 
 
-class KVCache:
+class KVCache(Closeable):
     """The KV cache of one model instance.
 
     Arguments:
@@ -158,13 +159,3 @@ class KVCache:
         finally:
             self.account.close()
             self.ledger.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> KVCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

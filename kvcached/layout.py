@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 from kvcached.backend import Backend, Reservation, dtype_itemsize, dtype_name
 from kvcached.errors import InvalidArgument
+from kvcached.lifetime import Closeable
 
 LayerKind = Literal["kv", "mla", "packed"]
 Part = Literal["kv", "k", "v"]
@@ -190,7 +191,7 @@ class KVGroup:
         return block * self.block_bytes
 
 
-class KVLayout:
+class KVLayout(Closeable):
     """Per-layer virtual reservations for a model's KV cache, split into page-id groups.
 
     `layers` describes every attention layer in model order; `block_size` is tokens per
@@ -380,10 +381,6 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _check_layer(self, layer: int) -> int:
         if not isinstance(layer, int) or isinstance(layer, bool):
             raise InvalidArgument(f"layer must be an int, got {layer!r}")
@@ -488,12 +485,6 @@ class KVLayout:
             return
         self._free_reservations()
         self._closed = True
-
-    def __enter__(self) -> KVLayout:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         groups = ", ".join(

@@ -127,9 +127,9 @@ import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 
 from kvcached.errors import InvalidArgument, KVCachedError
+from kvcached.lifetime import Closeable
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -469,7 +469,7 @@ def _decode(raw: bytes) -> str:
 
 
 # -------------------------------------------------------------------------- the ledger
-class Ledger:
+class Ledger(Closeable):
     """One device's shared ledger, mapped into this process.
 
     Open it with `Ledger.open`; register this process's instances with `register`;
@@ -890,21 +890,6 @@ class Ledger:
             os.close(self._fd)
             self._fd = -1
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> Ledger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"Ledger({self.key!r}, path={str(self.path)!r}, closed={self._closed})"
 
@@ -961,7 +946,7 @@ def _publish_new_file(path: Path, budget: int, capacity: int) -> None:
 
 
 # ------------------------------------------------------------------------ accounts
-class LedgerAccount:
+class LedgerAccount(Closeable):
     """One instance's row, as the page allocator's `BudgetAccount`.
 
     `try_charge` before creating physical memory, `refund` when it is released or its
@@ -1129,21 +1114,6 @@ class LedgerAccount:
             pid, start = _HOT.unpack_from(mm, self._offset)[:2]
             if (pid, start) == (self._pid, self._start):
                 ledger._clear_row(mm, self.index)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> LedgerAccount:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"row {self.index}"

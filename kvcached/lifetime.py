@@ -1,0 +1,34 @@
+"""What every kvcached resource object shares: `close()`, `closed`, and `with`.
+
+Reservations, pages, backends, layouts, allocators, ledgers and caches hold memory or
+files until closed. Each implements `close()` (idempotent) and keeps `_closed`; this
+base class gives them the rest, so a `with` block always gives its resource back,
+also when an exception unwinds it.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+_Self = TypeVar("_Self", bound="Closeable")
+
+
+class Closeable:
+    """A resource with an idempotent `close()`; usable as a context manager."""
+
+    __slots__ = ()
+    _closed: bool
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._closed:
+            self.close()
