@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	MYPY=$(VENV)/bin/mypy bash scripts/typecheck.sh
+	MYPY=$(abspath $(VENV))/bin/mypy bash scripts/typecheck.sh
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,10 @@
 """Per-operation latency of the VMM primitives: kvcached's backend vs. the raw driver.
 
 For each page size (2 MiB ... 64 MiB) this times create, map (including set-access),
-unmap and release, once through `kvcached`'s public Backend API and once through the
-same driver calls made directly, alternating the two in rounds inside one process so
-both see the same machine state. Prints one JSON object per line:
+unmap and release of every page twice, back to back: once through `kvcached`'s public
+Backend API and once through the same driver calls made directly (which goes first
+alternates), so both see the same machine state; figures are medians over all pages
+and rounds. Prints one JSON object per line:
 
     {"bench": "vmm_ops", "backend": "cuda", "page_mib": 2, "op": "map",
      "kvcached_us": 41.2, "raw_us": 40.1, "ratio": 1.027, ...}
@@ -157,42 +158,74 @@ def _timed(fn: Callable[[], None]) -> float:
     return (time.perf_counter_ns() - start) / 1e3
 
 
-def round_kvcached(backend: Backend, size: int, pages: int) -> dict[str, float]:
-    """Total µs of each op over `pages` pages of `size` bytes, through kvcached."""
+def paired_round(
+    backend: Backend, raw: Any, size: int, pages: int, flip: bool
+) -> dict[str, list[tuple[float, float]]]:
+    """Per page and op, (kvcached µs, raw µs) measured back to back: each page's op runs
+    through kvcached and through the raw driver one right after the other (which goes
+    first alternates by page and round), so machine drift hits both sides alike."""
+    g = backend.granularity
     reservation = backend.reserve(size * pages)
-    made: list[Any] = []
-    totals = {}
-    totals["create"] = _timed(lambda: made.extend(backend.create(size) for _ in range(pages)))
-    totals["map"] = _timed(
-        lambda: [backend.map(reservation, i * size, p) for i, p in enumerate(made)]
-    )
-    totals["unmap"] = _timed(
-        lambda: [backend.unmap(reservation, i * size, size) for i in range(pages)]
-    )
-    totals["map_many"] = _timed(
-        lambda: backend.map_many(reservation, [(i * size, p) for i, p in enumerate(made)])
-    )
-    totals["unmap_many"] = _timed(
-        lambda: backend.unmap_many(reservation, [(i * size, size) for i in range(pages)])
-    )
-    totals["release"] = _timed(lambda: [backend.release(p) for p in made])
+    base = raw.reserve(size * pages, g)
+    made: list[Any] = [None] * pages
+    handles: list[Any] = [None] * pages
+    ops: dict[str, tuple[Callable[[int], Any], Callable[[int], Any]]] = {
+        "create": (
+            lambda i: made.__setitem__(i, backend.create(size)),
+            lambda i: handles.__setitem__(i, raw.create(size)),
+        ),
+        "map": (
+            lambda i: backend.map(reservation, i * size, made[i]),
+            lambda i: raw.map(base + i * size, size, handles[i]),
+        ),
+        "unmap": (
+            lambda i: backend.unmap(reservation, i * size, size),
+            lambda i: raw.unmap(base + i * size, size),
+        ),
+        "release": (
+            lambda i: backend.release(made[i]),
+            lambda i: raw.release(handles[i], size),
+        ),
+    }
+    samples: dict[str, list[tuple[float, float]]] = {op: [] for op in ops}
+    clock = time.perf_counter_ns
+    for op, (ours, theirs) in ops.items():
+        for i in range(pages):
+            if (i % 2 == 0) != flip:
+                t0 = clock()
+                ours(i)
+                t1 = clock()
+                theirs(i)
+                t2 = clock()
+                samples[op].append(((t1 - t0) / 1e3, (t2 - t1) / 1e3))
+            else:
+                t0 = clock()
+                theirs(i)
+                t1 = clock()
+                ours(i)
+                t2 = clock()
+                samples[op].append(((t2 - t1) / 1e3, (t1 - t0) / 1e3))
     backend.free(reservation)
-    return totals
-
-
-def round_raw(raw: Any, size: int, pages: int, align: int) -> dict[str, float]:
-    """The same sequence with direct driver calls."""
-    base = raw.reserve(size * pages, align)
-    handles: list[Any] = []
-    totals = {}
-    totals["create"] = _timed(lambda: handles.extend(raw.create(size) for _ in range(pages)))
-    totals["map"] = _timed(
-        lambda: [raw.map(base + i * size, size, h) for i, h in enumerate(handles)]
-    )
-    totals["unmap"] = _timed(lambda: [raw.unmap(base + i * size, size) for i in range(pages)])
-    totals["release"] = _timed(lambda: [raw.release(h, size) for h in handles])
     raw.free(base, size * pages)
-    return totals
+    return samples
+
+
+def batch_round(backend: Backend, size: int, pages: int) -> dict[str, float]:
+    """µs per page of kvcached's batch forms: one map_many / unmap_many for all pages."""
+    reservation = backend.reserve(size * pages)
+    made = [backend.create(size) for _ in range(pages)]
+    totals = {
+        "map_many": _timed(
+            lambda: backend.map_many(reservation, [(i * size, p) for i, p in enumerate(made)])
+        ),
+        "unmap_many": _timed(
+            lambda: backend.unmap_many(reservation, [(i * size, size) for i in range(pages)])
+        ),
+    }
+    for page in made:
+        backend.release(page)
+    backend.free(reservation)
+    return {op: us / pages for op, us in totals.items()}
 
 
 def main() -> None:
@@ -213,24 +246,28 @@ def main() -> None:
         if size % g:
             continue
         pages = args.pages
-        round_kvcached(backend, size, 4)  # warm-up both paths
-        round_raw(raw, size, 4, g)
-        ours: dict[str, list[float]] = {}
-        base: dict[str, list[float]] = {}
-        for _ in range(args.rounds):  # alternate, so drift hits both equally
-            for op, us in round_kvcached(backend, size, pages).items():
-                ours.setdefault(op, []).append(us / pages)
-            for op, us in round_raw(raw, size, pages, g).items():
-                base.setdefault(op, []).append(us / pages)
-        ours["map+unmap"] = [m + u for m, u in zip(ours["map"], ours["unmap"], strict=True)]
-        base["map+unmap"] = [m + u for m, u in zip(base["map"], base["unmap"], strict=True)]
-        ours["batch map+unmap"] = [
-            m + u for m, u in zip(ours["map_many"], ours["unmap_many"], strict=True)
+        paired_round(backend, raw, size, 8, False)  # warm-up both paths
+        samples: dict[str, list[tuple[float, float]]] = {}
+        batches: dict[str, list[float]] = {}
+        for round_ in range(args.rounds):
+            for op, pairs in paired_round(backend, raw, size, pages, round_ % 2 == 1).items():
+                samples.setdefault(op, []).extend(pairs)
+            for op, us in batch_round(backend, size, pages).items():
+                batches.setdefault(op, []).append(us)
+        samples["map+unmap"] = [
+            (m[0] + u[0], m[1] + u[1])
+            for m, u in zip(samples["map"], samples["unmap"], strict=True)
         ]
-        base["map_many"], base["unmap_many"] = base["map"], base["unmap"]
-        base["batch map+unmap"] = base["map+unmap"]
+        rows = {op: [a for a, _ in pairs] for op, pairs in samples.items()}
+        raws = {op: [b for _, b in pairs] for op, pairs in samples.items()}
+        rows.update(batches)
+        rows["batch map+unmap"] = [
+            m + u for m, u in zip(batches["map_many"], batches["unmap_many"], strict=True)
+        ]
+        raws["map_many"], raws["unmap_many"] = raws["map"], raws["unmap"]
+        raws["batch map+unmap"] = raws["map+unmap"]
         for op in (*OPS, "map+unmap", "map_many", "unmap_many", "batch map+unmap"):
-            mine, theirs = statistics.median(ours[op]), statistics.median(base[op])
+            mine, theirs = statistics.median(rows[op]), statistics.median(raws[op])
             print(
                 json.dumps(
                     {
@@ -242,6 +279,7 @@ def main() -> None:
                         "kvcached_us": round(mine, 2),
                         "raw_us": round(theirs, 2),
                         "ratio": round(mine / theirs, 3) if theirs else None,
+                        "samples": len(rows[op]),
                         "pages": pages,
                         "rounds": args.rounds,
                     }
