@@ -385,19 +385,26 @@ class Backend(Closeable, ABC):
         Device work still using the range must be finished (see `synchronize`)."""
         try:
             if reservation.backend is self:
+                mappings = reservation._mappings
                 with reservation._lock:
-                    page = reservation._mappings.get(offset)
-                    if page is not None and page.nbytes == nbytes and not reservation._closed:
-                        self._unmap_one(reservation.address + offset, nbytes)  # one mapping
-                        del reservation._mappings[offset]
-                        first = offset // self._g
-                        granules = page._granules
-                        if granules == 1:
-                            reservation._occupied[first] = 0
+                    page = mappings.pop(offset, None)
+                    if page is not None:
+                        if page.nbytes != nbytes or reservation._closed:
+                            mappings[offset] = page  # not one whole mapping: slow path
                         else:
-                            reservation._occupied[first : first + granules] = bytes(granules)
-                        page._mapped_in.remove(reservation)
-                        return
+                            try:
+                                self._unmap_one(reservation.address + offset, nbytes)
+                            except BaseException:
+                                mappings[offset] = page
+                                raise
+                            first = offset // self._g
+                            granules = page._granules
+                            if granules == 1:
+                                reservation._occupied[first] = 0
+                            else:
+                                reservation._occupied[first : first + granules] = bytes(granules)
+                            page._mapped_in.remove(reservation)
+                            return
         except AttributeError:
             pass  # not a Reservation: unmap_many says so
         self.unmap_many(reservation, ((offset, nbytes),))

@@ -93,6 +93,10 @@ class CudaBackend(Backend):
         self._access = [access]
         self._success = driver.CUresult.CUDA_SUCCESS
         self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
+        # bound once: the per-page path then costs one attribute lookup per call
+        self._cu_mem_map = driver.cuMemMap
+        self._cu_mem_set_access = driver.cuMemSetAccess
+        self._cu_mem_unmap = driver.cuMemUnmap
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -211,31 +215,31 @@ class CudaBackend(Backend):
     # device from their arguments, and if a driver does want a current context after
     # all, the call fails with CUDA_ERROR_INVALID_CONTEXT and is retried once current.
     def _map_one(self, address: int, page: Page) -> None:
-        driver = self._driver
-        (err,) = driver.cuMemMap(address, page.nbytes, 0, page.handle, 0)
+        nbytes = page.nbytes
+        (err,) = self._cu_mem_map(address, nbytes, 0, page.handle, 0)
         if err != self._success:
             if err != self._no_context:
                 self._raise(err, "cuMemMap")
             self._make_current()
-            (err,) = driver.cuMemMap(address, page.nbytes, 0, page.handle, 0)
+            (err,) = self._cu_mem_map(address, nbytes, 0, page.handle, 0)
             if err != self._success:
                 self._raise(err, "cuMemMap")
-        (err,) = driver.cuMemSetAccess(address, page.nbytes, self._access, 1)
+        (err,) = self._cu_mem_set_access(address, nbytes, self._access, 1)
         if err != self._success:
             if err == self._no_context:
                 self._make_current()
-                (err,) = driver.cuMemSetAccess(address, page.nbytes, self._access, 1)
+                (err,) = self._cu_mem_set_access(address, nbytes, self._access, 1)
             if err != self._success:
-                driver.cuMemUnmap(address, page.nbytes)
+                self._driver.cuMemUnmap(address, nbytes)
                 self._raise(err, "cuMemSetAccess")
 
     def _unmap_one(self, address: int, nbytes: int) -> None:
-        (err,) = self._driver.cuMemUnmap(address, nbytes)
+        (err,) = self._cu_mem_unmap(address, nbytes)
         if err != self._success:
             if err != self._no_context:
                 self._raise(err, "cuMemUnmap")
             self._make_current()
-            (err,) = self._driver.cuMemUnmap(address, nbytes)
+            (err,) = self._cu_mem_unmap(address, nbytes)
             if err != self._success:
                 self._raise(err, "cuMemUnmap")
 
