@@ -13,29 +13,14 @@ or the package archive unreachable.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+import rocm_harness as harness  # tests/rocm, on sys.path through pytest's pythonpath
 
-
-def _harness() -> ModuleType:
-    name = "kvcached_tests_rocm_harness"
-    if name not in sys.modules:
-        path = Path(__file__).parent / "rocm" / "harness.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-harness = _harness()
 standin = harness.standin
 
 PACKAGE = "libamdhip64-5"

@@ -11,30 +11,16 @@ an NVIDIA GPU is the `gpu` test at the end.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import re
 import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+import rocm_harness as harness  # tests/rocm, on sys.path through pytest's pythonpath
 
-
-def _harness() -> ModuleType:
-    name = "kvcached_tests_rocm_harness"
-    if name not in sys.modules:
-        path = Path(__file__).parent / "rocm" / "harness.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-harness = _harness()
 standin = harness.standin
 standin_root, device, hip = harness.standin_root, harness.device, harness.hip  # fixtures
 ok, code, prop_and_access, free_bytes = (

@@ -1,8 +1,9 @@
 """pytest fixtures and helpers shared by the tests/test_rocm_*.py files.
 
 tests/rocm is deliberately not a package: with tests/ on sys.path, a `rocm` package
-there would hide hip-python 10.x's `rocm` namespace. The test files load this module
-(and standin.py) by path through `load()`.
+there would hide hip-python 10.x's `rocm` namespace. pytest puts tests/rocm itself on
+sys.path (`pythonpath` in pyproject.toml), so test files `import rocm_harness`; it
+loads standin.py by path through `load()`.
 """
 
 from __future__ import annotations
