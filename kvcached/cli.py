@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvcached import registry
@@ -84,7 +85,9 @@ def info(
         table.add_column("status")
         for name, reason in report["backends"].items():
             mark = "[bold green]selected[/]" if name == report["selected"] else "available"
-            table.add_row(name, mark if reason is None else f"[yellow]unavailable:[/] {reason}")
+            table.add_row(
+                name, mark if reason is None else f"[yellow]unavailable:[/] {escape(reason)}"
+            )
         console.print(table)
         if "device" in report:
             device = report["device"]
@@ -102,7 +105,7 @@ def info(
         console.print(f"python {report['python']}; {packages}")
     if report.get("error"):
         if not as_json:
-            console.print(f"[bold red]error:[/] {report['error']}")
+            console.print(f"[bold red]error:[/] {escape(report['error'])}")
         raise typer.Exit(code=1)
 
 
@@ -120,13 +123,13 @@ def conformance(
         import pytest
     except ImportError:
         console.print(
-            "[red]the conformance suite needs pytest:[/] pip install 'kvcached[conformance]'"
+            "[red]the conformance suite needs pytest:[/] pip install 'kvcached\\[conformance]'"
         )
         raise typer.Exit(code=2) from None
     try:
         name = registry.resolve_name(backend)
     except KVCachedError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
     console.print(f"kvcached conformance suite on backend [bold]{name}[/]")
     args = ["--pyargs", "kvcached.conformance", f"--kvcached-backend={name}", "-q", *ctx.args]
@@ -168,7 +171,7 @@ def main() -> None:
     try:
         app()
     except KVCachedError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
         sys.exit(1)
 
 

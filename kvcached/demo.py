@@ -342,9 +342,9 @@ def _table(config: DemoConfig, mode: str, latest: dict[int, dict[str, Any]]) -> 
     from rich.table import Table
 
     table = Table(title=f"kvcached demo: {mode} ({_gib(config.budget)} budget)")
-    for column in ("instance", "t (s)", "KV reserved", "KV used", "running", "waiting",
-                   "served", "had to wait"):  # fmt: skip
-        table.add_column(column, justify="right")
+    for column in ("inst", "t (s)", "KV held", "KV used", "running", "queued", "served",
+                   "waited"):  # fmt: skip
+        table.add_column(column, justify="right", no_wrap=True)
     for i in range(config.instances):
         row = latest.get(i)
         if row is None:
@@ -421,16 +421,20 @@ def run_demo(config: DemoConfig, *, out: Path, live: bool = True) -> list[dict[s
             f"unknown demo model {config.model!r}; choose from {', '.join(MODEL_SHAPES)}"
         )
     console = Console()
-    results = [run_mode(config, mode, live) for mode in ("elastic", "static")]
+    results = []
+    for mode in ("elastic", "static"):
+        results.append(run_mode(config, mode, live))
+        console.print()  # the live table's last frame stays; start below it
     summaries = [result.summary(config) for result in results]
     table = Table(title="elastic vs. static split of the same budget and load")
-    for column in ("mode", "arrived", "served", "had to wait", "still waiting at end",
-                   "mean wait (s)", "p95 wait (s)", "corrupted blocks"):  # fmt: skip
-        table.add_column(column, justify="right")
+    # queued: still waiting when the run ended; corrupt: blocks that read back wrong
+    for column in ("mode", "arrived", "served", "waited", "queued", "wait avg", "wait p95",
+                   "corrupt"):  # fmt: skip
+        table.add_column(column, justify="right", no_wrap=True)
     for s in summaries:
         table.add_row(
             s["mode"], str(s["arrived"]), str(s["served"]), str(s["waited"]),
-            str(s["still_waiting"]), f"{s['mean_wait_s']:.2f}", f"{s['p95_wait_s']:.2f}",
+            str(s["still_waiting"]), f"{s['mean_wait_s']:.2f}s", f"{s['p95_wait_s']:.2f}s",
             str(s["corrupted"]),
         )  # fmt: skip
     console.print(table)

@@ -24,6 +24,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console, RenderableType
+from rich.markup import escape
 
 from kvcached.config import parse_size
 from kvcached.errors import InvalidArgument, KVCachedError
@@ -60,7 +61,7 @@ def fail() -> Iterator[None]:
     try:
         yield
     except KVCachedError as exc:
-        _err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 

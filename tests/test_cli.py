@@ -34,6 +34,17 @@ def test_info_table_names_device_and_memory(monkeypatch: pytest.MonkeyPatch) -> 
     assert "GiB free of" in result.output
 
 
+def test_reasons_are_printed_verbatim_not_as_markup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_BACKEND", "host")
+    monkeypatch.setattr(
+        "kvcached.backends.cuda.CudaBackend.unavailable_reason",
+        classmethod(lambda cls: "cuda-bindings is not installed (pip install 'kvcached[cuda]')"),
+    )
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0
+    assert "kvcached[cuda]" in " ".join(result.output.split())
+
+
 def test_info_explains_an_unavailable_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_BACKEND", "cuda")
     monkeypatch.setattr(
