@@ -62,13 +62,18 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return (time.perf_counter() - start) * 1e3, result
 
 
-def bench_resize(backend: Backend, group: KVGroup, extent_mib: int, gib: float, rounds: int,
-                 common: dict[str, Any]) -> None:  # fmt: skip
-    account = LocalAccount()
-    alloc = PageAllocator(
+def manual_allocator(group: KVGroup, account: LocalAccount, extent_mib: int) -> PageAllocator:
+    """No pool and no background thread: every grow and shrink is the call being timed."""
+    return PageAllocator(
         group, account=account, extent_bytes=extent_mib * MiB, pool_low=0, pool_high=0,
         release_delay=0, background=False,
     )  # fmt: skip
+
+
+def bench_resize(backend: Backend, group: KVGroup, extent_mib: int, gib: float, rounds: int,
+                 common: dict[str, Any]) -> None:  # fmt: skip
+    account = LocalAccount()
+    alloc = manual_allocator(group, account, extent_mib)
     grow, shrink, grown = [], [], 0
     for _ in range(rounds):
         ms, grown = timed(lambda: alloc.resize(int(gib * GiB)))
@@ -84,10 +89,7 @@ def bench_resize(backend: Backend, group: KVGroup, extent_mib: int, gib: float, 
 def bench_alloc(backend: Backend, group: KVGroup, extent_mib: int, gib: float, rounds: int,
                 common: dict[str, Any]) -> None:  # fmt: skip
     account = LocalAccount()
-    alloc = PageAllocator(
-        group, account=account, extent_bytes=extent_mib * MiB, pool_low=0, pool_high=0,
-        release_delay=0, background=False,
-    )  # fmt: skip
+    alloc = manual_allocator(group, account, extent_mib)
     blocks_wanted = -(-int(gib * GiB) // group.block_id_bytes)
     grow, shrink, grown, handles = [], [], 0, 0
     for _ in range(rounds):

@@ -106,8 +106,9 @@ def test_conformance_with_the_older_setaccess_bug(standin_root: Path, tmp_path: 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forced_workaround", [False, True], ids=["plain", "release-workaround"])
 def test_conformance_through_the_cuda_forwarding_standin(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, forced_workaround: bool
 ) -> None:
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -115,17 +116,4 @@ def test_conformance_through_the_cuda_forwarding_standin(
         pytest.skip("no NVIDIA driver (libcuda.so.1) on this machine")
     pytest.importorskip("torch")
     root = harness.built("cuda", tmp_path_factory)
-    assert_passed(run_conformance(root, tmp_path / "state"))
-
-
-@pytest.mark.gpu
-def test_conformance_with_the_release_workaround_through_the_cuda_forwarding_standin(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
-) -> None:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        pytest.skip("no NVIDIA driver (libcuda.so.1) on this machine")
-    pytest.importorskip("torch")
-    root = harness.built("cuda", tmp_path_factory)
-    assert_passed(run_conformance(root, tmp_path / "state", forced_workaround=True))
+    assert_passed(run_conformance(root, tmp_path / "state", forced_workaround=forced_workaround))

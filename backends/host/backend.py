@@ -196,25 +196,25 @@ class HostBackend(Backend):
             self._holes.setdefault(nbytes, []).append(offset)
             self._used -= nbytes
 
-    def _map_batch(self, items: Sequence[tuple[int, Page]]) -> None:
-        done: list[tuple[int, int]] = []
-        try:
-            for address, page in items:
-                libc.mmap_file_fixed(address, page.nbytes, self._fd, page.handle)
-                done.append((address, page.nbytes))
-        except BaseException:
-            self._unmap_batch(done)
-            raise
-
     def _map_one(self, address: int, page: Page) -> None:
         libc.mmap_file_fixed(address, page.nbytes, self._fd, page.handle)
 
     def _unmap_one(self, address: int, nbytes: int) -> None:
         libc.mmap_anonymous_reserve(address, nbytes, fixed=True)
 
+    def _map_batch(self, items: Sequence[tuple[int, Page]]) -> None:
+        done: list[tuple[int, int]] = []
+        try:
+            for address, page in items:
+                self._map_one(address, page)
+                done.append((address, page.nbytes))
+        except BaseException:
+            self._unmap_batch(done)
+            raise
+
     def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
         for address, nbytes in ranges:
-            libc.mmap_anonymous_reserve(address, nbytes, fixed=True)
+            self._unmap_one(address, nbytes)
 
     def _view(self, address: int, nbytes: int, shape: tuple[int, ...], dtype: Any) -> Any:
         return host_tensor(address, nbytes, shape, dtype)
