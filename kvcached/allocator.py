@@ -1090,6 +1090,45 @@ class PageAllocator(Closeable):
     def is_allocated(self, block: int) -> bool:
         return block in self._used
 
+    def release_order(self, candidates: Iterable[int]) -> list[int]:
+        """`candidates` (allocated blocks the engine could free, e.g. cached prefixes no
+        request uses) ordered so that freeing them in order empties pages soonest:
+        first the pages with the fewest other allocated blocks, among equals the
+        highest page ids (live blocks pack low, so high extents drain)."""
+        bpp = self._bpp
+        by_page: dict[int, list[int]] = {}
+        for block in candidates:
+            by_page.setdefault(block // bpp, []).append(block)
+        with self._lock:
+            others = {
+                page: bpp - len(self._free_lists[page]) - len(blocks)
+                for page, blocks in by_page.items()
+            }
+        order: list[int] = []
+        for page in sorted(by_page, key=lambda p: (others[p], -p)):
+            order += sorted(by_page[page])
+        return order
+
+    def obtainable_blocks(self) -> int:
+        """Blocks `alloc` could hand out right now: the free blocks of mapped pages,
+        growth in flight, and what the limit, the device budget (when the account
+        knows its `headroom`) and the virtual range still allow to be mapped. An
+        engine's free-block count follows this, so that running short of memory
+        becomes the engine's own preemption instead of a failed allocation. It is a
+        snapshot: another instance may take the budget's headroom a moment later."""
+        limit = self._limit_now()
+        headroom = getattr(self.account, "headroom", None)
+        budget_room = headroom() if callable(headroom) else None
+        with self._lock:
+            if self._closed:
+                return 0
+            room = limit - self._reserved - self._inflight + self._releasing
+            if budget_room is not None:
+                room = min(room, budget_room)
+            unmapped = sum(length for _, length in self._holes)
+            growable = max(0, min(room // self._page_id_bytes, unmapped))
+            return self._available + (self._inflight_pages + growable) * self._bpp
+
     def stats(self) -> AllocatorStats:
         with self._lock:
             self._retire_current()

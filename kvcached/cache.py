@@ -30,6 +30,17 @@ from kvcached.ledger import Ledger, LedgerAccount, ledger_key
 from kvcached.lifetime import Closeable
 
 
+def open_device_ledger(backend: Backend, budget: int | str | None = None) -> Ledger:
+    """The ledger of `backend`'s device, created with `budget` (else KVCACHED_BUDGET,
+    else all of the device's memory) if it does not exist yet."""
+    total = backend.mem_info()[1]
+    requested = budget if budget is not None else settings().budget
+    device_budget = (
+        total if requested is None else parse_size(requested, total=total, what="budget")
+    )
+    return Ledger.open(ledger_key(backend.name, backend.device), budget=device_budget)
+
+
 class _GroupAccount:
     """One group's view of the instance's ledger row: charges go straight through,
     `set_used` reports the sum over the groups."""
@@ -49,6 +60,9 @@ class _GroupAccount:
             total = sum(self._used)
         self._row.set_used(total)
 
+    def headroom(self) -> int:
+        return self._row.headroom()
+
     @property
     def limit(self) -> int | None:
         return self._row.limit
@@ -67,40 +81,42 @@ class KVCache(Closeable):
         budget: the device budget if this call creates the ledger.
         backend: a backend instance, or a name; default: the process's backend.
         max_tokens: virtual capacity per group (default: what the device could hold).
+        layout: instead of `layers`, a layout built already over this backend (a
+            `BackingBuffer`, for an engine that places its blocks itself); the cache
+            owns it from here on and closes it.
         allocator_options: passed to every `PageAllocator` (extent_bytes, pool_low, ...).
     """
 
     def __init__(
         self,
-        layers: Sequence[LayerSpec],
+        layers: Sequence[LayerSpec] | None = None,
         *,
-        block_size: int,
+        block_size: int = 1,
         name: str,
         engine: str = "custom",
         limit: int | None = None,
         budget: int | str | None = None,
         backend: Backend | str | None = None,
         max_tokens: int | None = None,
+        layout: Any = None,
         **allocator_options: Any,
     ) -> None:
         from kvcached.registry import get_backend
 
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
-        total = self.backend.mem_info()[1]
-        requested = budget if budget is not None else settings().budget
-        device_budget = (
-            total if requested is None else parse_size(requested, total=total, what="budget")
-        )
-        self.ledger = Ledger.open(
-            ledger_key(self.backend.name, self.backend.device), budget=device_budget
-        )
+        self.ledger = open_device_ledger(self.backend, budget)
         self._closed = False
         try:
             self.account = self.ledger.register(name, engine, limit)
             try:
-                self.layout = KVLayout(
-                    self.backend, layers, block_size=block_size, max_tokens=max_tokens
-                )
+                if layout is not None:
+                    self.layout = layout
+                elif layers is None:
+                    raise InvalidArgument("KVCache needs `layers` (or a prebuilt `layout`)")
+                else:
+                    self.layout = KVLayout(
+                        self.backend, layers, block_size=block_size, max_tokens=max_tokens
+                    )
                 used = [0] * len(self.layout.groups)
                 lock = threading.Lock()
                 self.allocators = [
@@ -112,6 +128,8 @@ class KVCache(Closeable):
                     for i, group in enumerate(self.layout.groups)
                 ]
             except BaseException:
+                if layout is not None:
+                    layout.close()
                 self.account.close()
                 raise
         except BaseException:

