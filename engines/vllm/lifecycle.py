@@ -83,13 +83,18 @@ def _watch(engine: Any) -> None:
     idle_for = float(settings().cache_idle_evict)
     has_work = getattr(engine, "has_work", None)
 
-    def upkeep() -> None:
+    def upkeep(_engine: Any = None) -> None:  # vLLM passes the engine to its callbacks
         found = instance.current()
         pool = getattr(found, "pool", None)
-        if pool is not None:
+        if pool is None:
+            return
+        try:
             evicted = pool.free_block_queue.idle_upkeep(idle_for)
-            if evicted:
-                log.info("kvcached: evicted %d idle prefix-cache blocks", evicted)
+        except Exception:  # upkeep must never take the engine down; it retries next tick
+            log.exception("kvcached: idle upkeep failed")
+            return
+        if evicted:
+            log.info("kvcached: evicted %d idle prefix-cache blocks", evicted)
 
     while instance.current() is not None or not getattr(engine, "_kvcached_started", True):
         time.sleep(IDLE_TICK_S)
