@@ -12,7 +12,8 @@ blocks hold on its own, so the row's `used` is kept as their sum by `_GroupAccou
 
 The ledger's budget is fixed by whoever creates it: `budget=` here, else
 KVCACHED_BUDGET (a size, or a percentage of the device's memory), else all of the
-device's memory; `kvctl budget` changes it later.
+device's memory; `kvctl budget` changes it later. Once the ledger exists, a budget
+asked for here is ignored, with a warning that names the ledger's budget.
 """
 
 from __future__ import annotations
@@ -91,8 +92,14 @@ class KVCache(Closeable):
         device_budget = (
             total if requested is None else parse_size(requested, total=total, what="budget")
         )
+        if budget is not None:
+            source: str | None = f"KVCache(budget={budget!r})"
+        else:
+            source = None if requested is None else f"KVCACHED_BUDGET={requested}"
         self.ledger = Ledger.open(
-            ledger_key(self.backend.name, self.backend.device), budget=device_budget
+            ledger_key(self.backend.name, self.backend.device),
+            budget=device_budget,
+            budget_source=source,  # an existing ledger keeps its budget: say so
         )
         self._closed = False
         try:
