@@ -596,7 +596,13 @@ def _encode(what: str, value: str, pattern: re.Pattern[str], size: int) -> bytes
 
 
 def _decode(raw: bytes) -> str:
-    return raw.rstrip(b"\0").decode(errors="replace")
+    """A name or engine field as text that is safe to print: kvcached writes only
+    validated names, but the file can be written by anything running as this user, so
+    control characters (terminal escapes, bidi overrides) come back as escapes."""
+    text = raw.rstrip(b"\0").decode(errors="replace")
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 # -------------------------------------------------------------------------- the ledger
