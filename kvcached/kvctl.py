@@ -288,7 +288,12 @@ def watch(
 def forget(
     name: Annotated[str, typer.Argument(help="Instance name.")],
     force: Annotated[
-        bool, typer.Option("--force", help="Remove the row even if its process is alive.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Remove the row even if its process is alive (that instance then takes "
+            "no more memory, and what it holds is no longer counted in the budget).",
+        ),
     ] = False,
     key: KeyOption = None,
     backend: BackendOption = None,
@@ -304,6 +309,13 @@ def forget(
         _out.print(
             f"{escape(name)}: row of pid {row.pid} removed ({format_bytes(row.reserved)} freed)"
         )
+        if row.process_alive():
+            _err.print(
+                f"[yellow]warning:[/] pid {row.pid} is still running: {escape(name)} keeps "
+                f"the {format_bytes(row.reserved)} it holds, no longer counted in the "
+                "budget, and takes no more memory; restart it to give it a row again",
+                highlight=False,
+            )
 
 
 @app.command()

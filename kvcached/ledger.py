@@ -498,6 +498,13 @@ class InstanceRow:
     denied: int
     registered_at: float
 
+    def process_alive(self) -> bool | None:
+        """Whether the row's process still runs, as far as this process can tell; None
+        for a row registered from another pid namespace (it cannot be judged here)."""
+        if self.pid_namespace != _identity().pid_namespace:
+            return None
+        return _alive(self.pid, self.start_time)
+
     @property
     def over_limit(self) -> int:
         """Bytes reserved above the limit (after `set_limit` lowered it), else 0."""
@@ -1048,7 +1055,9 @@ class Ledger(Closeable):
     def forget(self, name: str, *, force: bool = False) -> InstanceRow:
         """Remove the row of instance `name` by hand, for a process this ledger cannot
         judge itself (one in another pid namespace). Without `force` it is refused for
-        a live process and for one whose liveness cannot be checked from here."""
+        a live process and for one whose liveness cannot be checked from here. A live
+        instance forgotten with `force` keeps running without a row: it takes no more
+        memory, and the bytes it holds are no longer counted (see LedgerAccount)."""
         with self._locked() as mm:
             row = self._find(mm, name)
             if row is None:

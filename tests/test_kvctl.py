@@ -234,6 +234,18 @@ def test_forget_refuses_a_live_instance(instances: object, ledger: Ledger) -> No
     assert [r.name for r in ledger.rows()] == ["sglang-b"]
 
 
+def test_forget_force_of_a_live_instance_warns_that_its_bytes_leave_the_budget(
+    instances: tuple[LedgerAccount, LedgerAccount], ledger: Ledger
+) -> None:
+    result = runner.invoke(kvctl, ["forget", "vllm-a", "--force"])
+    assert result.exit_code == 0, result.output
+    warning = " ".join(result.stderr.split())
+    assert f"pid {os.getpid()} is still running: vllm-a keeps the 3.00 GiB" in warning
+    assert "takes no more memory" in warning
+    a, _ = instances
+    assert not a.try_charge(1) and a.lost  # as the warning says
+
+
 def test_kvtop_once_draws_bars(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
     result = runner.invoke(kvtop, ["--once"])
     assert result.exit_code == 0, result.output
