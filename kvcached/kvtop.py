@@ -20,6 +20,7 @@ kvctl.
 
 from __future__ import annotations
 
+import io
 import itertools
 import time
 from pathlib import Path
@@ -138,15 +139,19 @@ def summary(key: str, totals: Totals) -> Text:
     return line
 
 
-def over_limit_notes(rows: list[InstanceRow]) -> Text:
-    """A line per instance above its limit (after kvctl limit lowered it)."""
+def over_limit_notes(rows: list[InstanceRow], *, short: bool = False) -> Text:
+    """A line per instance above its limit (after kvctl limit lowered it); `short`
+    ones fit 80 columns next to a 30-character name."""
     notes = Text(style="red")
     for row in rows:
         if row.over_limit:
-            notes.append(
-                f"{row.name} is {format_bytes(row.over_limit)} over its limit; it shrinks "
-                "as its pages empty\n"
-            )
+            over = format_bytes(row.over_limit)
+            if short:
+                notes.append(f"{row.name}: {over} over its limit, shrinking\n")
+            else:
+                notes.append(
+                    f"{row.name} is {over} over its limit; it shrinks as its pages empty\n"
+                )
     notes.rstrip()
     return notes
 
@@ -210,48 +215,49 @@ def frame(ledger: Ledger, width: int = 100, height: int | None = None) -> Render
     scale = max((max(row.reserved, row.limit or 0) for row in rows), default=0)
     legend = Text.assemble(
         ("█", "green"), " used  ", ("▒", "yellow"), " reserved, empty  ", ("│", "red"),
-        f" limit   (instance bars to the scale of {format_bytes(scale)})", style="dim",
+        f" limit   (bars to the scale of {format_bytes(scale)})", style="dim",
     )  # fmt: skip
-    parts: list[RenderableType] = [summary(ledger.key, totals), device_bar]
+    head: list[Text] = [summary(ledger.key, totals)]
     if totals.unowned:
-        parts.append(unowned_note(ledger.key, totals))
-    parts.append(Text(""))
-    if rows:
-        shown = _rows_that_fit(rows, height, fixed=len(parts) + 2)  # + header, legend
-        parts.append(top_table(shown, width))
-        if any(row.over_limit for row in shown):
-            parts.append(over_limit_notes(shown))
-        hidden = rows[len(shown) :]
-        if hidden:
-            held = format_bytes(sum(row.reserved for row in hidden))
-            parts.append(
-                Text(
-                    f"+ {len(hidden)} more instance{'s' if len(hidden) > 1 else ''} not "
-                    f"shown ({held} reserved); 'kvctl list' shows all",
-                    style="bold",
-                )
-            )
-    else:
+        head.append(unowned_note(ledger.key, totals))
+    parts: list[RenderableType] = [head[0], device_bar, *head[1:], Text("")]
+    if not rows:
         parts.append(Text("no kvcached instance is registered on this device", style="dim"))
+        return Group(*parts, legend)
+
+    measure = Console(width=width, file=io.StringIO())
+
+    def lines(text: Text) -> int:
+        return len(text.wrap(measure, width))
+
+    def hidden_line(hidden: list[InstanceRow]) -> Text:
+        held = format_bytes(sum(row.reserved for row in hidden))
+        return Text(
+            f"+ {len(hidden)} more not shown ({held} reserved); 'kvctl list' shows all",
+            style="bold",
+        )
+
+    def needed(shown: list[InstanceRow]) -> int:
+        """Lines of the screen with `shown` in the table (header included)."""
+        total = sum(lines(text) for text in head) + 2 + 1 + len(shown) + lines(legend)
+        if any(row.over_limit for row in shown):
+            total += lines(over_limit_notes(shown, short=True))
+        if len(shown) < len(rows):
+            total += lines(hidden_line(rows[len(shown) :]))
+        return total
+
+    count = len(rows)
+    if height is not None:
+        while count > 1 and needed(rows[:count]) > height:
+            count -= 1
+    shown, hidden = rows[:count], rows[count:]
+    parts.append(top_table(shown, width))
+    if any(row.over_limit for row in shown):
+        parts.append(over_limit_notes(shown, short=True))
+    if hidden:
+        parts.append(hidden_line(hidden))
     parts.append(legend)
     return Group(*parts)
-
-
-def _rows_that_fit(rows: list[InstanceRow], height: int | None, fixed: int) -> list[InstanceRow]:
-    """The leading `rows` that fit in `height` lines with their over-limit notes, the
-    `fixed` other lines and, when some are left out, the line that says so."""
-    if height is None:
-        return rows
-
-    def lines(shown: list[InstanceRow]) -> int:
-        return len(shown) + sum(1 for row in shown if row.over_limit)
-
-    if fixed + lines(rows) <= height:
-        return rows
-    count = len(rows)
-    while count > 1 and fixed + 1 + lines(rows[:count]) > height:
-        count -= 1
-    return rows[:count]
 
 
 app = typer.Typer(

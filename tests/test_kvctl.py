@@ -563,18 +563,25 @@ def _render(renderable: object, width: int) -> list[str]:
     return console.export_text().splitlines()
 
 
+@pytest.mark.parametrize(("width", "height"), [(80, 24), (60, 20), (120, 40)])
 def test_kvtop_at_80x24_keeps_realistic_names_whole_and_says_how_many_rows_are_hidden(
-    folder: Path,
+    folder: Path, width: int, height: int
 ) -> None:
     with Ledger.open("cuda-0", budget=140 * GiB) as ledger:
         for i, name in enumerate(REALISTIC):
             account = ledger.register(name, "vllm")
             assert account.try_charge((i + 1) * 30 * MiB)  # 30 MiB .. 900 MiB each
             account.set_used((i + 1) * 10 * MiB)
-        lines = _render(frame(ledger, 80, 24), 80)
-    assert len(lines) <= 24
-    assert all(len(line) <= 80 for line in lines)
-    rows = [line for line in lines if line.startswith("model-")]
+            if i in (28, 29):  # two over their limit: their notes take lines too
+                ledger.set_limit(name, 100 * MiB)
+        lines = _render(frame(ledger, width, height), width)
+    assert len(lines) <= height
+    assert all(len(line) <= width for line in lines)
+    if width < 80:
+        return  # narrower: names are cut with an ellipsis, but the frame still fits
+    notes = [line for line in lines if "over its limit" in line]
+    assert len(notes) == 2
+    rows = [line for line in lines if line.startswith("model-") and line not in notes]
     assert len(rows) >= 10
     assert rows[0].startswith("model-29-llama-3.1-8b-instruct ")  # largest first, whole
     for row in rows:
@@ -582,7 +589,8 @@ def test_kvtop_at_80x24_keeps_realistic_names_whole_and_says_how_many_rows_are_h
         assert name in REALISTIC
         assert "█" in rest and "▒" in rest  # sub-GiB on 140 GiB: bars still drawn
     hidden = len(REALISTIC) - len(rows)
-    assert any(f"+ {hidden} more instances not shown" in line for line in lines)
+    assert (hidden > 0) == (height < 40)  # 30 rows fit in 40 lines, not in 24
+    assert any(f"+ {hidden} more not shown" in line for line in lines) == (hidden > 0)
 
 
 def test_kvtop_once_at_80_columns_shows_whole_names(folder: Path) -> None:
