@@ -75,12 +75,16 @@ _LIMITS_ACCEPTED = (
 )
 
 
+def refuse_negative_limit(text: str) -> None:
+    if text.strip().startswith("-"):
+        raise InvalidArgument(f"limit {text!r} is negative; accepted: {_LIMITS_ACCEPTED}")
+
+
 def parse_limit(text: str, budget: int) -> int | None:
     """The bytes of `kvctl limit`'s SIZE argument; None for 'none'."""
     if text.strip().lower() in _NO_LIMIT:
         return None
-    if text.strip().startswith("-"):
-        raise InvalidArgument(f"limit {text!r} is negative; accepted: {_LIMITS_ACCEPTED}")
+    refuse_negative_limit(text)
     if _ZERO.match(text):
         return 0
     try:
@@ -177,8 +181,7 @@ def limit(
     Below its current use, the instance stops growing and shrinks towards the limit as
     its pages empty."""
     with fail():
-        if size.strip().startswith("-"):  # refused before any ledger is looked for
-            parse_limit(size, 0)
+        refuse_negative_limit(size)  # before any ledger is looked for
         with open_ledger(key, backend, device, ledger_dir) as ledger:
             _set_limit(ledger, name, size)
 

@@ -754,10 +754,10 @@ class Ledger(Closeable):
         if current == requested:
             return
         log.warning(
-            "%s is ignored: the ledger of %s (%s) already exists with a budget of %s, set "
-            "when it was created. A ledger keeps its budget for as long as it exists (until "
-            "the file is removed or the machine reboots); change it with 'kvctl budget "
-            "SIZE --key %s'",
+            "%s is ignored: the ledger of %s (%s) already exists with a budget of %s "
+            "(set by whoever created it, or since with kvctl budget). A ledger keeps its "
+            "budget for as long as it exists (until the file is removed or the machine "
+            "reboots); change it with 'kvctl budget SIZE --key %s'",
             source, self.key, self.path, _gib(current), self.key,
         )  # fmt: skip
 
