@@ -728,9 +728,13 @@ class PageAllocator(Closeable):
                     committed = self._commit(start, npages, pages)
                 if committed:
                     return npages
-                self._destroy(_Extent(start, npages, pages))  # closed meanwhile
-                with self._lock:
-                    self._unclaim(start, npages)
+                extent = _Extent(start, npages, pages)  # closed meanwhile: undo
+                self._destroy(extent)
+                try:
+                    self.account.refund(self._extent_bytes(extent))
+                finally:
+                    with self._lock:
+                        self._unclaim(start, npages)
                 return 0
             half = npages // 2
             with self._lock:
@@ -818,14 +822,13 @@ class PageAllocator(Closeable):
             heapq.heapify(self._empty)
 
     def _destroy(self, extent: _Extent) -> None:
-        """Outside the lock: unmap an extent from every reservation, release, refund."""
+        """Outside the lock: unmap an extent from every reservation and release it."""
         size = extent.npages * self._page_bytes
         at = extent.start * self._page_bytes
         for reservation, offsets in self.group.reservations:
             self.backend.unmap_many(reservation, [(offset + at, size) for offset in offsets])
         for page in extent.pages:
             self.backend.release(page)
-        self.account.refund(self._extent_bytes(extent))
 
     def _release_claimed(self, extents: list[_Extent]) -> int:
         """Outside the lock: destroy claimed extents and settle the books."""
@@ -835,15 +838,24 @@ class PageAllocator(Closeable):
         # unmap does not wait for the device (a fault in that kernel if it ran on).
         self.backend.synchronize()
         released = 0
+        refund_error: Exception | None = None
         for extent in extents:
             self._destroy(extent)
             nbytes = self._extent_bytes(extent)
+            try:
+                self.account.refund(nbytes)
+            except Exception as exc:
+                # The memory is gone even so: settle the books and release the other
+                # claimed extents, or close() would wait forever for them.
+                refund_error = refund_error or exc
             with self._lock:
                 self._releasing -= nbytes
                 self._reserved -= nbytes
                 self._return_range(extent.start, extent.npages)
                 self._cond.notify_all()
             released += nbytes
+        if refund_error is not None:
+            raise refund_error
         return released
 
     def _drain(self, extent: _Extent) -> None:

@@ -12,7 +12,8 @@ blocks hold on its own, so the row's `used` is kept as their sum by `_GroupAccou
 
 The ledger's budget is fixed by whoever creates it: `budget=` here, else
 KVCACHED_BUDGET (a size, or a percentage of the device's memory), else all of the
-device's memory; `kvctl budget` changes it later.
+device's memory; `kvctl budget` changes it later. Once the ledger exists, a budget
+asked for here is ignored, with a warning that names the ledger's budget.
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ def open_device_ledger(backend: Backend, budget: int | str | None = None) -> Led
     device_budget = (
         total if requested is None else parse_size(requested, total=total, what="budget")
     )
-    return Ledger.open(ledger_key(backend.name, backend.device), budget=device_budget)
+    if budget is not None:
+        source: str | None = f"KVCache(budget={budget!r})"
+    else:
+        source = None if requested is None else f"KVCACHED_BUDGET={requested}"
+    return Ledger.open(
+        ledger_key(backend.name, backend.device),
+        budget=device_budget,
+        budget_source=source,  # an existing ledger keeps its budget: say so
+    )
 
 
 class _GroupAccount:

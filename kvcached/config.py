@@ -107,7 +107,8 @@ def _settings_class() -> type[BaseSettings]:
         )
         ledger_dir: str | None = Field(
             default=None,
-            description="Folder of the cross-process ledgers (absolute); default /dev/shm.",
+            description="Folder of the cross-process ledgers (absolute); default: your "
+            "runtime directory when it is private, else /dev/shm.",
         )
         metrics_port: int | None = Field(
             default=None,

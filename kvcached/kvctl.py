@@ -1,10 +1,11 @@
 """kvctl: read and steer a device's kvcached ledger from the shell.
 
     kvctl list [--json]            every instance: used, reserved, limit, peak
-    kvctl limit NAME 8GiB|25%|none set (or remove) an instance's limit
+    kvctl limit NAME 8GiB|25%|0|none  set (or remove) an instance's limit
     kvctl budget [SIZE]            show or set the device budget
     kvctl watch                    the list, refreshed
     kvctl forget NAME [--force]    remove a row the ledger cannot judge dead by itself
+    kvctl repair                   clear bytes a corrupted ledger charges to free rows
     kvctl serve-metrics --port N   Prometheus metrics of every ledger
 
 Which ledger: `--key cuda-0`, or `--backend`/`--device`, else the one an instance started
@@ -16,7 +17,10 @@ message goes to stderr.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +32,15 @@ from rich.markup import escape
 
 from kvcached.config import parse_size
 from kvcached.errors import InvalidArgument, KVCachedError
-from kvcached.kvtop import format_bytes, instances_table, over_limit_notes, percent, summary
-from kvcached.ledger import Ledger, default_key
+from kvcached.kvtop import (
+    format_bytes,
+    instances_table,
+    over_limit_notes,
+    percent,
+    summary,
+    unowned_note,
+)
+from kvcached.ledger import Ledger, Totals, default_key
 
 app = typer.Typer(
     add_completion=False,
@@ -50,9 +61,36 @@ DeviceOption = Annotated[
     str | None, typer.Option(help="Device ordinal (default: KVCACHED_DEVICE; cpu for host).")
 ]
 DirOption = Annotated[
-    Path | None, typer.Option(help="Ledger folder (default: KVCACHED_LEDGER_DIR or /dev/shm).")
+    Path | None,
+    typer.Option(
+        help="Ledger folder, relative to the current directory or absolute (default: "
+        "KVCACHED_LEDGER_DIR, else your runtime directory, else /dev/shm)."
+    ),
 ]
 _NO_LIMIT = ("none", "unlimited", "off")
+_ZERO = re.compile(r"^\s*0+(?:\.0+)?\s*(?:[kmgtpe]i?b?|b)?\s*$", re.IGNORECASE)
+_LIMITS_ACCEPTED = (
+    "a size ('8GiB', '512MiB'), a percentage of the budget ('25%'), 0 (take no more "
+    "memory and give pages back as they empty) or 'none' (no limit of its own)"
+)
+
+
+def refuse_negative_limit(text: str) -> None:
+    if text.strip().startswith("-"):
+        raise InvalidArgument(f"limit {text!r} is negative; accepted: {_LIMITS_ACCEPTED}")
+
+
+def parse_limit(text: str, budget: int) -> int | None:
+    """The bytes of `kvctl limit`'s SIZE argument; None for 'none'."""
+    if text.strip().lower() in _NO_LIMIT:
+        return None
+    refuse_negative_limit(text)
+    if _ZERO.match(text):
+        return 0
+    try:
+        return parse_size(text, total=budget, what="limit")
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{exc} (kvctl limit accepts {_LIMITS_ACCEPTED})") from None
 
 
 @contextlib.contextmanager
@@ -115,14 +153,23 @@ def list_(
             _out.print(instances_table(rows, totals))
             if any(row.over_limit for row in rows):
                 _out.print(over_limit_notes(rows))
+        _warn_unowned(ledger, totals)
 
 
-@app.command()
+def _warn_unowned(ledger: Ledger, totals: Totals) -> None:
+    if totals.unowned:
+        _err.print(unowned_note(ledger.key, totals), highlight=False)
+
+
+@app.command(context_settings={"ignore_unknown_options": True})  # 'limit NAME -1'
 def limit(
     name: Annotated[str, typer.Argument(help="Instance name, as kvctl list shows it.")],
     size: Annotated[
         str,
-        typer.Argument(help="Bytes ('8GiB', '512MiB'), a percentage of the budget, or 'none'."),
+        typer.Argument(
+            help="Bytes ('8GiB', '512MiB'), a percentage of the budget ('25%'), 0 (stop "
+            "growing, give pages back as they empty), or 'none'."
+        ),
     ],
     key: KeyOption = None,
     backend: BackendOption = None,
@@ -133,28 +180,37 @@ def limit(
 
     Below its current use, the instance stops growing and shrinks towards the limit as
     its pages empty."""
-    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
-        if size.strip().lower() in _NO_LIMIT:
-            nbytes = None
-        else:
-            nbytes = parse_size(size, total=ledger.budget, what="limit")
-        change = ledger.set_limit(name, nbytes)
-        if change.limit is None:
-            _out.print(f"{name}: limit removed (bounded by the device budget only)")
-        else:
-            _out.print(
-                f"{name}: limit {format_bytes(change.limit)} "
-                f"({percent(change.limit, ledger.budget)} of the budget), "
-                f"was {format_bytes(change.previous)}"
-            )
-        if change.over_by:
-            _err.print(
-                f"[yellow]warning:[/] {name} holds {format_bytes(change.reserved)}, "
-                f"{format_bytes(change.over_by)} above its new limit: it stops growing and "
-                "releases free pages towards the limit; pages holding live blocks stay "
-                "until their requests finish",
-                highlight=False,
-            )
+    with fail():
+        refuse_negative_limit(size)  # before any ledger is looked for
+        with open_ledger(key, backend, device, ledger_dir) as ledger:
+            _set_limit(ledger, name, size)
+
+
+def _set_limit(ledger: Ledger, name: str, size: str) -> None:
+    """Apply `kvctl limit` and say what it changed."""
+    change = ledger.set_limit(name, parse_limit(size, ledger.budget))
+    shown = escape(name)
+    if change.limit is None:
+        _out.print(f"{shown}: limit removed (bounded by the device budget only)")
+    else:
+        _out.print(
+            f"{shown}: limit {format_bytes(change.limit)} "
+            f"({percent(change.limit, ledger.budget)} of the budget), "
+            f"was {format_bytes(change.previous)}"
+        )
+    if change.limit == 0:
+        _out.print(
+            f"{shown} takes no more memory and gives its pages back as their blocks "
+            "are freed; 'kvctl limit NAME none' lets it grow again"
+        )
+    if change.over_by:
+        _err.print(
+            f"[yellow]warning:[/] {shown} holds {format_bytes(change.reserved)}, "
+            f"{format_bytes(change.over_by)} above its new limit: it stops growing and "
+            "releases free pages towards the limit; pages holding live blocks stay "
+            "until their requests finish",
+            highlight=False,
+        )
 
 
 @app.command()
@@ -171,7 +227,9 @@ def budget(
     with fail():
         if size is None:
             with open_ledger(key, backend, device, ledger_dir) as ledger:
-                _out.print(summary(ledger.key, ledger.totals()))
+                totals = ledger.totals()
+                _out.print(summary(ledger.key, totals))
+                _warn_unowned(ledger, totals)
             return
         nbytes = parse_size(size, what="budget")
         with open_ledger(key, backend, device, ledger_dir, create_with=nbytes) as ledger:
@@ -211,6 +269,8 @@ def watch(
             parts.append(instances_table(rows, totals))
         if any(row.over_limit for row in rows):
             parts.append(over_limit_notes(rows))
+        if totals.unowned:
+            parts.append(unowned_note(ledger.key, totals))
         return Group(*parts)
 
     with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
@@ -231,7 +291,12 @@ def watch(
 def forget(
     name: Annotated[str, typer.Argument(help="Instance name.")],
     force: Annotated[
-        bool, typer.Option("--force", help="Remove the row even if its process is alive.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Remove the row even if its process is alive (that instance then takes "
+            "no more memory, and what it holds is no longer counted in the budget).",
+        ),
     ] = False,
     key: KeyOption = None,
     backend: BackendOption = None,
@@ -244,7 +309,39 @@ def forget(
     another pid namespace, whose liveness cannot be checked from here."""
     with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
         row = ledger.forget(name, force=force)
-        _out.print(f"{name}: row of pid {row.pid} removed ({format_bytes(row.reserved)} freed)")
+        _out.print(
+            f"{escape(name)}: row of pid {row.pid} removed ({format_bytes(row.reserved)} freed)"
+        )
+        if row.process_alive():
+            _err.print(
+                f"[yellow]warning:[/] pid {row.pid} is still running: {escape(name)} keeps "
+                f"the {format_bytes(row.reserved)} it holds, no longer counted in the "
+                "budget, and takes no more memory; restart it to give it a row again",
+                highlight=False,
+            )
+
+
+@app.command()
+def repair(
+    key: KeyOption = None,
+    backend: BackendOption = None,
+    device: DeviceOption = None,
+    ledger_dir: DirOption = None,
+) -> None:
+    """Clear bytes that a corrupted ledger charges to free rows.
+
+    Such bytes count against the budget though no instance holds them (kvctl list warns
+    about them); live instances' rows are left as they are."""
+    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
+        done = ledger.repair()
+        if not done.rows:
+            _out.print(f"{ledger.key}: nothing to repair")
+            return
+        rows = ", ".join(str(index) for index in done.rows)
+        _out.print(
+            f"{ledger.key}: cleared free row(s) {rows}; {format_bytes(done.unowned)} that "
+            "no instance held can be charged again"
+        )
 
 
 @app.command("serve-metrics")
@@ -265,7 +362,10 @@ def serve_metrics(
 
     with fail():
         keys = key or ([resolve_key(None, backend, device)] if backend or device else None)
-        server = serve(keys, port=port, addr=addr, directory=ledger_dir)
+        try:
+            server = serve(keys, port=port, addr=addr, directory=ledger_dir)
+        except OSError as exc:
+            raise KVCachedError(_bind_problem(exc, addr, port)) from None
         which = ", ".join(keys) if keys else "every ledger"
         _out.print(f"serving kvcached metrics of {which} on {server.url}")
         try:
@@ -275,6 +375,26 @@ def serve_metrics(
             pass
         finally:
             server.close()
+
+
+def _bind_problem(exc: OSError, addr: str, port: int) -> str:
+    """Why the metrics endpoint could not listen on addr:port, in words."""
+    where = f"cannot serve metrics on {addr}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return (
+            f"{where}: --addr {addr!r} is not an address or host name of this machine "
+            "(use an IP address such as 127.0.0.1 or 0.0.0.0, or a resolvable host name)"
+        )
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"{where}: port {port} is already in use (another serve-metrics, or an "
+            "instance with KVCACHED_METRICS_PORT?); choose another --port, or 0 for a free one"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {addr} is not an address of this machine's network interfaces"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"{where}: not permitted (ports below 1024 need privileges); choose another --port"
+    return f"{where}: {exc.strerror or exc}"
 
 
 def main() -> None:

@@ -1,9 +1,18 @@
 """kvtop: a live view of one device's ledger, like top for KV caches.
 
-One bar per instance, drawn to the scale of the device budget: the solid part is
-`used` (bytes holding live blocks), the shaded part the rest of `reserved` (pages
-mapped but empty), and a red mark stands at the instance's limit. A first bar shows the
-device total against the budget. `kvtop --once` prints one frame and exits.
+A first bar shows the device total against the budget. Then one bar per instance, all
+drawn to one scale, that of the largest instance (its reserved bytes or its limit), so
+that instances of a few hundred MiB on a 140 GiB device are still seen; any non-zero
+amount gets at least one cell. The solid part is `used` (bytes holding live blocks),
+the shaded part the rest of `reserved` (pages mapped but empty), and a red mark stands
+at the instance's limit. Instances are listed largest first; when the terminal is too
+short for all of them, a last line says how many are not shown. At 80 columns the
+engine and pid columns give way to the name and the bar. `kvtop --once` prints one
+frame and exits.
+
+Names come from a shared file that anyone holding it could have written, so they are
+shown as plain text (never as rich markup) and the ledger replaces control characters
+in them with escapes before they get here.
 
 The rendering helpers here (`format_bytes`, `instances_table`, `frame`) are shared with
 kvctl.
@@ -11,6 +20,7 @@ kvctl.
 
 from __future__ import annotations
 
+import io
 import itertools
 import time
 from pathlib import Path
@@ -26,6 +36,7 @@ from kvcached.ledger import InstanceRow, Ledger, Totals
 
 MIN_BAR_WIDTH = 10
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_NUMBER_WIDTH = 6  # a short size ("12.5G") and room for the over-limit mark ("!")
 
 
 def format_bytes(nbytes: int | None) -> str:
@@ -42,6 +53,21 @@ def format_bytes(nbytes: int | None) -> str:
     return f"{value:.1f} {unit}" if abs(value) >= 10 else f"{value:.2f} {unit}"
 
 
+def format_bytes_short(nbytes: int | None) -> str:
+    """At most five characters: '512M', '1.50G', '12.5G', '140G', '0B'; '-' for None."""
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            break
+        value /= 1024
+    letter = unit[0]
+    if unit == "B" or abs(value) >= 100:
+        return f"{value:.0f}{letter}"
+    return f"{value:.1f}{letter}" if abs(value) >= 10 else f"{value:.2f}{letter}"
+
+
 def percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.0f}%" if whole else "-"
 
@@ -51,11 +77,13 @@ def usage_bar(used: int, reserved: int, limit: int | None, scale: int, width: in
     scale = max(scale, 1)
 
     def cells(nbytes: int) -> int:
-        return min(width, round(nbytes * width / scale))
+        if nbytes <= 0:
+            return 0
+        return min(width, max(1, round(nbytes * width / scale)))  # non-zero stays seen
 
     n_reserved = cells(reserved)
     n_used = min(cells(used), n_reserved)
-    mark = min(width - 1, cells(limit)) if limit is not None and limit < scale else -1
+    mark = min(width - 1, cells(limit)) if limit is not None and limit <= scale else -1
     cells_drawn: list[tuple[str, str]] = []
     for i in range(width):
         if i == mark:
@@ -72,31 +100,28 @@ def usage_bar(used: int, reserved: int, limit: int | None, scale: int, width: in
     return bar
 
 
-def instances_table(
-    rows: list[InstanceRow], totals: Totals, *, bar_width: int | None = None
-) -> Table:
-    """The table kvctl list / watch print; kvtop's (`bar_width` set) has a bar column
-    and leaves out peak and refused charges to fit a terminal."""
-    bars = bar_width is not None
+def instances_table(rows: list[InstanceRow], totals: Totals) -> Table:
+    """The table kvctl list / watch print (kvtop draws `top_table`)."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("NAME", no_wrap=True)
     table.add_column("ENGINE", no_wrap=True)
     table.add_column("PID", justify="right", no_wrap=True)
-    if bar_width is not None:
-        table.add_column("USED/RESERVED/LIMIT", no_wrap=True, min_width=bar_width)
-    for title in ("USED", "RESERVED", "LIMIT") + (() if bars else ("PEAK", "REFUSED")):
+    for title in ("USED", "RESERVED", "LIMIT", "PEAK", "REFUSED"):
         table.add_column(title, justify="right", no_wrap=True)
     for row in rows:
-        limit = format_bytes(row.limit)
+        limit = Text(format_bytes(row.limit))
         if row.over_limit:
-            limit = f"[bold red]{limit}![/]"
-        cells: list[RenderableType] = [row.name, row.engine, str(row.pid)]
-        if bar_width is not None:
-            cells.append(usage_bar(row.used, row.reserved, row.limit, totals.budget, bar_width))
-        cells += [format_bytes(row.used), format_bytes(row.reserved), limit]
-        if not bars:
-            cells += [format_bytes(row.peak), str(row.denied)]
-        table.add_row(*cells)
+            limit = Text(f"{limit.plain}!", style="bold red")
+        table.add_row(
+            Text(row.name),  # plain text: a name is never read as markup
+            Text(row.engine),
+            str(row.pid),
+            format_bytes(row.used),
+            format_bytes(row.reserved),
+            limit,
+            format_bytes(row.peak),
+            str(row.denied),
+        )
     return table
 
 
@@ -114,36 +139,123 @@ def summary(key: str, totals: Totals) -> Text:
     return line
 
 
-def over_limit_notes(rows: list[InstanceRow]) -> Text:
-    """A line per instance above its limit (after kvctl limit lowered it)."""
+def over_limit_notes(rows: list[InstanceRow], *, short: bool = False) -> Text:
+    """A line per instance above its limit (after kvctl limit lowered it); `short`
+    ones fit 80 columns next to a 30-character name."""
     notes = Text(style="red")
     for row in rows:
         if row.over_limit:
-            notes.append(
-                f"{row.name} is {format_bytes(row.over_limit)} over its limit; it shrinks "
-                "as its pages empty\n"
-            )
+            over = format_bytes(row.over_limit)
+            if short:
+                notes.append(f"{row.name}: {over} over its limit, shrinking\n")
+            else:
+                notes.append(
+                    f"{row.name} is {over} over its limit; it shrinks as its pages empty\n"
+                )
     notes.rstrip()
     return notes
 
 
-def frame(ledger: Ledger, width: int = 100) -> RenderableType:
-    """One kvtop screen of `ledger`, for a terminal `width` columns wide."""
+def unowned_note(key: str, totals: Totals) -> Text:
+    """The warning for bytes that free rows of a corrupted ledger hold."""
+    return Text(
+        f"warning: {format_bytes(totals.unowned)} of the reserved bytes belong to no "
+        f"instance (free rows of a corrupted ledger) and still count against the budget; "
+        f"'kvctl repair --key {key}' clears them",
+        style="yellow",
+    )
+
+
+def top_table(rows: list[InstanceRow], width: int) -> Table:
+    """kvtop's table of `rows` for a terminal `width` columns wide: names as wide as
+    they need (up to what leaves a bar of MIN_BAR_WIDTH), short sizes, one bar to the
+    scale of the largest instance; engine and pid only where there is room."""
+    numbers = 3 * _NUMBER_WIDTH
+    longest = max((len(row.name) for row in rows), default=4)
+    engine_width = max(6, max((len(row.engine) for row in rows), default=0))
+    pid_width = max(3, max((len(str(row.pid)) for row in rows), default=0))
+    room = width - 1 - numbers - 4  # five columns, a space between each
+    name_width = max(4, min(longest, room - MIN_BAR_WIDTH))
+    details = engine_width + pid_width + 2
+    with_details = room - name_width - details >= 2 * MIN_BAR_WIDTH
+    bar_width = max(MIN_BAR_WIDTH, room - name_width - (details if with_details else 0))
+    scale = max((max(row.reserved, row.limit or 0) for row in rows), default=1)
+
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("NAME", no_wrap=True, overflow="ellipsis", width=name_width)
+    if with_details:
+        table.add_column("ENGINE", no_wrap=True, overflow="ellipsis", width=engine_width)
+        table.add_column("PID", justify="right", no_wrap=True, width=pid_width)
+    table.add_column("USED/RESERVED/LIMIT", no_wrap=True, overflow="crop", width=bar_width)
+    for title in ("USED", "RES", "LIMIT"):
+        table.add_column(title, justify="right", no_wrap=True, width=_NUMBER_WIDTH - 1)
+    for row in rows:
+        limit = Text(format_bytes_short(row.limit))
+        if row.over_limit:
+            limit = Text(f"{limit.plain}!", style="bold red")
+        cells: list[RenderableType] = [Text(row.name)]
+        if with_details:
+            cells += [Text(row.engine), str(row.pid)]
+        cells += [
+            usage_bar(row.used, row.reserved, row.limit, scale, bar_width),
+            format_bytes_short(row.used),
+            format_bytes_short(row.reserved),
+            limit,
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def frame(ledger: Ledger, width: int = 100, height: int | None = None) -> RenderableType:
+    """One kvtop screen of `ledger`, for a terminal `width` columns wide and `height`
+    lines high (None: as many lines as there are instances)."""
     totals, rows = ledger.snapshot()
-    name_width = max((len(row.name) + len(row.engine) for row in rows), default=0)
-    bar_width = max(MIN_BAR_WIDTH, width - name_width - 45)
+    rows = sorted(rows, key=lambda row: (-row.reserved, row.name))
     device_bar = usage_bar(totals.used, totals.reserved, None, totals.budget, width - 1)
+    scale = max((max(row.reserved, row.limit or 0) for row in rows), default=0)
     legend = Text.assemble(
-        ("█", "green"), " used  ", ("▒", "yellow"), " reserved, empty  ",
-        ("│", "red"), " limit   (bars are to the scale of the budget)", style="dim",
+        ("█", "green"), " used  ", ("▒", "yellow"), " reserved, empty  ", ("│", "red"),
+        f" limit   (bars to the scale of {format_bytes(scale)})", style="dim",
     )  # fmt: skip
-    parts: list[RenderableType] = [summary(ledger.key, totals), device_bar, Text("")]
-    if rows:
-        parts.append(instances_table(rows, totals, bar_width=bar_width))
-        if any(row.over_limit for row in rows):
-            parts.append(over_limit_notes(rows))
-    else:
+    head: list[Text] = [summary(ledger.key, totals)]
+    if totals.unowned:
+        head.append(unowned_note(ledger.key, totals))
+    parts: list[RenderableType] = [head[0], device_bar, *head[1:], Text("")]
+    if not rows:
         parts.append(Text("no kvcached instance is registered on this device", style="dim"))
+        return Group(*parts, legend)
+
+    measure = Console(width=width, file=io.StringIO())
+
+    def lines(text: Text) -> int:
+        return len(text.wrap(measure, width))
+
+    def hidden_line(hidden: list[InstanceRow]) -> Text:
+        held = format_bytes(sum(row.reserved for row in hidden))
+        return Text(
+            f"+ {len(hidden)} more not shown ({held} reserved); 'kvctl list' shows all",
+            style="bold",
+        )
+
+    def needed(shown: list[InstanceRow]) -> int:
+        """Lines of the screen with `shown` in the table (header included)."""
+        total = sum(lines(text) for text in head) + 2 + 1 + len(shown) + lines(legend)
+        if any(row.over_limit for row in shown):
+            total += lines(over_limit_notes(shown, short=True))
+        if len(shown) < len(rows):
+            total += lines(hidden_line(rows[len(shown) :]))
+        return total
+
+    count = len(rows)
+    if height is not None:
+        while count > 1 and needed(rows[:count]) > height:
+            count -= 1
+    shown, hidden = rows[:count], rows[count:]
+    parts.append(top_table(shown, width))
+    if any(row.over_limit for row in shown):
+        parts.append(over_limit_notes(shown, short=True))
+    if hidden:
+        parts.append(hidden_line(hidden))
     parts.append(legend)
     return Group(*parts)
 
@@ -176,13 +288,18 @@ def kvtop(
     console = Console()
     with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
         if once:
-            console.print(frame(ledger, console.width))
+            height = console.height if console.is_terminal else None
+            console.print(frame(ledger, console.width, height))
             return
-        with Live(frame(ledger, console.width), console=console, auto_refresh=False) as live:
+
+        def screen() -> RenderableType:
+            return frame(ledger, console.width, console.height)
+
+        with Live(screen(), console=console, auto_refresh=False) as live:
             try:
                 while True:
                     time.sleep(interval)
-                    live.update(frame(ledger, console.width), refresh=True)
+                    live.update(screen(), refresh=True)
             except KeyboardInterrupt:
                 pass
 

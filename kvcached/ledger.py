@@ -34,8 +34,14 @@ header: a total and a row updated by two separate stores could disagree if a pro
 were killed between them, while a single 8-byte store into one row cannot be torn by a
 kill. The row is the single source of truth; totals are always recomputed from rows.
 
-The file lives in /dev/shm (tmpfs: memory, never disk; a reboot empties it) unless
-KVCACHED_LEDGER_DIR names another directory, as ``kvcached-<uid>-<key>.ledger``. The key
+The file is ``kvcached-<uid>-<key>.ledger`` in KVCACHED_LEDGER_DIR when it is set, else
+in this user's runtime directory ($XDG_RUNTIME_DIR, else /run/user/<uid>, when it is a
+directory the user owns that no one else can enter), else in /dev/shm. Both are tmpfs:
+memory, never disk, emptied by a reboot. The runtime directory is preferred because no
+other user can create files in it: in /dev/shm anyone can pre-create the file name of
+another user's ledger (a file, a link or a directory) and so deny that user kvcached;
+such an entry is never touched, and the error says what is there and points to
+KVCACHED_LEDGER_DIR. The key
 names the device: ``host-cpu``, ``cuda-0``, ``rocm-1``. The fields are packed with
 `struct` in little-endian order at fixed offsets, so the layout is the same in every
 process and every Python version, and the version field lets a newer kvcached refuse a
@@ -67,12 +73,32 @@ A process can die without refunding (SIGKILL, the OOM killer, a segfault in a ke
 its memory is returned by the driver, but its row still claims it. Each row records the
 pid *and* the process start time (field 22 of /proc/<pid>/stat, in clock ticks since
 boot), so a pid the kernel has reused for a new process is not mistaken for the old
-one; a zombie counts as dead, since its memory is already gone. Rows of dead processes
-are cleared when a charge would fail, when a ledger is opened, and when rows are listed
-(kvctl, kvtop, metrics). The /proc reads happen outside the lock: death is permanent, so
-a row seen dead is cleared later only if it still holds the same pid and start time.
+one. A process counts as dead only once none of its threads is left: after SIGKILL the
+main thread of a multi-threaded process (every `KVCache` has a pool thread) shows as a
+zombie within a few milliseconds, while the other threads, which release the process's
+memory, exit tens of milliseconds later; reclaiming at the first sight of the zombie
+would let the budget be charged twice over for that while. So a zombie main thread is
+dead only when every entry of /proc/<pid>/task is a zombie too (or gone). This holds
+on every backend: device memory is returned when the last thread closes the driver's
+files, before it becomes a zombie. Rows of dead processes are cleared when a charge
+would fail, when a ledger is opened, and when rows are listed (kvctl, kvtop, metrics).
+The /proc reads happen outside the lock: death is permanent, so a row seen dead is
+cleared later only if it still holds the same pid and start time.
 Rows written from another pid namespace (a container sharing /dev/shm but not its pid
-space) cannot be judged and are left alone; `forget()` removes one by hand. A header
+space) cannot be judged and are left alone; `forget()` removes one by hand.
+
+A row removed by hand while its process runs (`kvctl forget --force`) leaves that
+instance without a row: its account notices at the next call, refuses every further
+charge (the allocator answers "exhausted" and stops growing), keeps its own count of
+what it still holds so that refunds, `set_used` and `limit` keep working without
+touching the ledger, and logs one warning. The instance stays usable within what it
+has, and closing it still returns everything. A row is owned by (pid, start time,
+registration time), so a forgotten account can never charge or refund a row that its
+own process registered again later. A row is cleared counters first and pid last, so a
+process killed halfway leaves a row with a pid (reclaimed like any dead one), never a
+free row still holding bytes. If a free row does hold bytes anyway (a corrupted file),
+`snapshot` counts them as `Totals.unowned` and in `Totals.reserved`, so listings agree
+with what charges see, and `repair()` (``kvctl repair``) clears them. A header
 whose boot id differs from this boot's (a ledger kept on a persistent disk across a
 reboot) has only stale rows, and they are all cleared on open.
 
@@ -116,6 +142,8 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import logging
+import math
 import mmap
 import os
 import re
@@ -131,6 +159,8 @@ from pathlib import Path
 from kvcached.errors import InvalidArgument, KVCachedError
 from kvcached.lifetime import Closeable
 
+log = logging.getLogger("kvcached.ledger")
+
 __all__ = [
     "DEFAULT_CAPACITY",
     "LAYOUT_VERSION",
@@ -141,12 +171,14 @@ __all__ = [
     "LedgerAccount",
     "LedgerError",
     "LimitChange",
+    "Repair",
     "Totals",
     "default_key",
     "existing_keys",
     "ledger_dir",
     "ledger_key",
     "ledger_path",
+    "user_runtime_dir",
 ]
 
 
@@ -181,7 +213,13 @@ _HOT = struct.Struct("<I4xQQQQQ")
 _RESERVED_OFFSET = 32
 _RESERVED_PEAK = struct.Struct("<QQ")
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 _IDENTITY = struct.Struct("<I4xQ")
+# What an account reads to know its row is still its own: (pid, start time, registration
+# time); the hot path reads it with the prefix, in one call.
+_REGISTERED_OFFSET = 64
+_OWNED_HOT = struct.Struct("<I4xQQQQQ16xd")
+_OWNER = struct.Struct("<I4xQ48xd")
 _USED_OFFSET = 48
 _DENIED_OFFSET = 56
 _LIMIT_OFFSET = 24
@@ -189,6 +227,7 @@ _LIMIT_OFFSET = 24
 assert _HEADER.size <= HEADER_SIZE
 assert _ROW.size <= ROW_SIZE
 assert _HOT.size == _RESERVED_OFFSET + 16
+assert _OWNED_HOT.size == _OWNER.size == _REGISTERED_OFFSET + 8
 
 _KEY = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/=-]*$")
@@ -210,8 +249,10 @@ _HAVE_PROC = Path("/proc/self/stat").exists()
 
 def process_start_time(pid: int) -> int | None:
     """The start time of a live process in clock ticks since boot (/proc/<pid>/stat
-    field 22), or None when it is gone or a zombie. 0 where /proc does not exist and
-    the process is alive (the start time is then unknown)."""
+    field 22), or None when it is gone or none of its threads is left (all zombies).
+    A zombie main thread with other threads still running is alive: those threads
+    still hold the process's memory. 0 where /proc does not exist and the process is
+    alive (the start time is then unknown)."""
     if not _HAVE_PROC:
         try:
             os.kill(pid, 0)
@@ -233,9 +274,43 @@ def process_start_time(pid: int) -> int | None:
     # The command name (field 2) is in parentheses and may itself contain ") ", so the
     # fields are counted from the last ')'. After it come field 3 (state) onwards.
     fields = data[data.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
+    if len(fields) < 20:
+        return None
+    if fields[0] in _EXITED and not _has_running_thread(pid):
         return None
     return int(fields[19])
+
+
+_EXITED = (b"Z", b"X", b"x")  # /proc states of a task that has finished exiting
+
+
+def _task_state(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    rest = data[data.rfind(b")") + 2 :]
+    return rest[:1] or None
+
+
+def _has_running_thread(pid: int) -> bool:
+    """Whether any thread of `pid` has not finished exiting. A thread that vanishes
+    while it is looked at has finished; the directory gone means the process has."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        state = _task_state(f"/proc/{pid}/task/{tid}/stat")
+        if state is not None and state not in _EXITED:
+            return True
+    return False
 
 
 def _pid_namespace() -> int:
@@ -279,8 +354,23 @@ def _identity() -> _Identity:
     return _me
 
 
+_last_registration = 0.0
+_registration_lock = threading.Lock()
+
+
+def _registration_time() -> float:
+    """time.time(), but strictly later than this process's previous registration, so
+    two rows registered by one process never share an owner (see LedgerAccount)."""
+    global _last_registration
+    with _registration_lock:
+        now = max(time.time(), math.nextafter(_last_registration, math.inf))
+        _last_registration = now
+        return now
+
+
 def _after_fork_in_child() -> None:
-    global _me, _fork_epoch
+    global _me, _fork_epoch, _registration_lock
+    _registration_lock = threading.Lock()
     _me = None
     _fork_epoch += 1
     for ledger in list(_open_ledgers):
@@ -298,15 +388,43 @@ atexit.register(_close_accounts_at_exit)
 
 
 # ------------------------------------------------------------------- where ledgers are
+_RUN_USER = Path("/run/user")  # where systemd-logind makes each user's runtime directory
+
+
+def user_runtime_dir() -> Path | None:
+    """This user's runtime directory: $XDG_RUNTIME_DIR, else /run/user/<uid>, if it is a
+    real directory owned by this user that no one else can enter; else None."""
+    candidates = [os.environ.get("XDG_RUNTIME_DIR", ""), str(_RUN_USER / str(os.geteuid()))]
+    for candidate in candidates:
+        if not candidate.startswith("/"):
+            continue
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            continue
+        if (
+            stat.S_ISDIR(info.st_mode)
+            and info.st_uid == os.geteuid()
+            and not stat.S_IMODE(info.st_mode) & 0o077
+        ):
+            return Path(candidate)
+    return None
+
+
 def ledger_dir(directory: str | os.PathLike[str] | None = None) -> Path:
-    """The folder ledgers live in: `directory`, else KVCACHED_LEDGER_DIR, else /dev/shm
-    (the system's temporary folder where /dev/shm does not exist, as on macOS)."""
+    """The folder ledgers live in, as an absolute path: `directory` (a relative one is
+    taken from the current directory), else KVCACHED_LEDGER_DIR, else this user's
+    runtime directory (`user_runtime_dir`), else /dev/shm, else the system's temporary
+    folder (macOS has neither)."""
     if directory is None:
         from kvcached.config import settings
 
         directory = settings().ledger_dir
     if directory is not None:
-        return Path(directory)
+        return Path(directory).absolute()
+    runtime = user_runtime_dir()
+    if runtime is not None:
+        return runtime
     shm = Path("/dev/shm")
     if shm.is_dir():
         return shm
@@ -380,6 +498,13 @@ class InstanceRow:
     denied: int
     registered_at: float
 
+    def process_alive(self) -> bool | None:
+        """Whether the row's process still runs, as far as this process can tell; None
+        for a row registered from another pid namespace (it cannot be judged here)."""
+        if self.pid_namespace != _identity().pid_namespace:
+            return None
+        return _alive(self.pid, self.start_time)
+
     @property
     def over_limit(self) -> int:
         """Bytes reserved above the limit (after `set_limit` lowered it), else 0."""
@@ -391,12 +516,17 @@ class InstanceRow:
 
 @dataclasses.dataclass(frozen=True)
 class Totals:
-    """Device-wide sums; `free` is what the budget still allows to be charged."""
+    """Device-wide sums; `free` is what the budget still allows to be charged.
+
+    `reserved` is the sum that charges are checked against: every instance's, plus
+    `unowned`, bytes that free rows of a corrupted ledger still hold (normally 0;
+    `Ledger.repair` clears them)."""
 
     budget: int
     reserved: int
     used: int
     instances: int
+    unowned: int = 0
 
     @property
     def free(self) -> int:
@@ -421,6 +551,14 @@ class LimitChange:
     @property
     def over_by(self) -> int:
         return 0 if self.limit is None else max(0, self.reserved - self.limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Repair:
+    """The outcome of `Ledger.repair`: free rows that held leftovers, and their bytes."""
+
+    rows: list[int]
+    unowned: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,7 +603,13 @@ def _encode(what: str, value: str, pattern: re.Pattern[str], size: int) -> bytes
 
 
 def _decode(raw: bytes) -> str:
-    return raw.rstrip(b"\0").decode(errors="replace")
+    """A name or engine field as text that is safe to print: kvcached writes only
+    validated names, but the file can be written by anything running as this user, so
+    control characters (terminal escapes, bidi overrides) come back as escapes."""
+    text = raw.rstrip(b"\0").decode(errors="replace")
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 # -------------------------------------------------------------------------- the ledger
@@ -489,6 +633,8 @@ class Ledger(Closeable):
         self._tlock = threading.Lock()
         self._accounts: weakref.WeakSet[LedgerAccount] = weakref.WeakSet()
         self._closed = False
+        self._warned_unowned = False
+        self.created = False  # whether `Ledger.open` created the file
         _open_ledgers.add(self)
 
     # ----------------------------------------------------------------- opening
@@ -500,10 +646,15 @@ class Ledger(Closeable):
         *,
         create: bool = True,
         directory: str | os.PathLike[str] | None = None,
+        budget_source: str | None = None,
     ) -> Ledger:
         """Open the ledger of device `key`, creating it with `budget` bytes if it does
         not exist and `create` is true. The budget of an existing ledger is left as it
-        is (`set_budget` changes it). Rows of dead processes are cleared.
+        is (`set_budget` changes it); when `budget_source` names where `budget` came
+        from (a setting the user chose, e.g. "KVCACHED_BUDGET=20GiB") and it differs
+        from the existing ledger's, a warning says it is ignored and how to change it.
+        Rows of dead processes are cleared. `Ledger.created` says whether this call
+        created the file.
 
         Raises LedgerError when the file is missing (and `create` is false), corrupted,
         foreign, of an incompatible layout version or not owned by this user;
@@ -512,6 +663,7 @@ class Ledger(Closeable):
         if budget is not None:
             _check_bytes("budget", budget, allow_zero=False)
         path = ledger_path(key, directory)
+        created = False
         for _ in range(8):
             try:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -525,20 +677,21 @@ class Ledger(Closeable):
                     raise InvalidArgument(
                         f"creating the ledger for {key!r} needs a budget in bytes"
                     ) from None
-                _publish_new_file(path, budget, DEFAULT_CAPACITY)
+                created = _publish_new_file(path, budget, DEFAULT_CAPACITY)
                 continue  # open what is there now: ours, or a concurrent creator's
             except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise LedgerError(f"{path} is a symbolic link; refusing to follow it") from None
-                raise LedgerError(f"cannot open ledger {path}: {exc.strerror}") from None
+                raise _open_error(path, exc) from None
             try:
                 ledger = cls._from_fd(key, path, fd)
             except BaseException:
                 os.close(fd)
                 raise
+            ledger.created = created
             try:
                 ledger._clear_stale_boot()
                 ledger.reclaim_dead()
+                if budget is not None and budget_source is not None and not created:
+                    ledger._warn_if_budget_ignored(budget, budget_source)
             except BaseException:
                 ledger.close()
                 raise
@@ -549,12 +702,9 @@ class Ledger(Closeable):
     def _from_fd(cls, key: str, path: Path, fd: int) -> Ledger:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise LedgerError(f"{path} is not a regular file; refusing to use it as a ledger")
+            raise _squatted(path, "is not a regular file")
         if info.st_uid != os.geteuid():
-            raise LedgerError(
-                f"ledger {path} is owned by uid {info.st_uid}, not by this user "
-                f"(uid {os.geteuid()}); refusing to use another user's ledger"
-            )
+            raise _squatted(path, _owned_by_another(info.st_uid))
         mode = stat.S_IMODE(info.st_mode)
         if mode & 0o077:
             raise LedgerError(
@@ -598,6 +748,18 @@ class Ledger(Closeable):
         except OSError as exc:
             raise LedgerError(f"cannot map ledger {path}: {exc.strerror}") from None
         return cls(key, path, fd, mm, capacity)
+
+    def _warn_if_budget_ignored(self, requested: int, source: str) -> None:
+        current = self.budget
+        if current == requested:
+            return
+        log.warning(
+            "%s is ignored: the ledger of %s (%s) already exists with a budget of %s "
+            "(set by whoever created it, or since with kvctl budget). A ledger keeps its "
+            "budget for as long as it exists (until the file is removed or the machine "
+            "reboots); change it with 'kvctl budget SIZE --key %s'",
+            source, self.key, self.path, _gib(current), self.key,
+        )  # fmt: skip
 
     def _reopen_after_fork(self) -> None:
         """In a forked child: a new lock, and a new open file description so the child's
@@ -692,8 +854,11 @@ class Ledger(Closeable):
         )
 
     def _clear_row(self, mm: mmap.mmap, index: int) -> None:
+        # Counters first, the pid last: a process killed halfway leaves a row that still
+        # has a pid (reclaimed as dead later), never a free row that still holds bytes.
         offset = self._row_offset(index)
-        mm[offset : offset + ROW_SIZE] = bytes(ROW_SIZE)
+        mm[offset + 4 : offset + ROW_SIZE] = bytes(ROW_SIZE - 4)
+        mm[offset : offset + 4] = bytes(4)
 
     def _find(self, mm: mmap.mmap, name: str) -> InstanceRow | None:
         for index in range(self.capacity):
@@ -710,12 +875,15 @@ class Ledger(Closeable):
         with self._locked() as mm:
             budget = _BUDGET.unpack_from(mm, _BUDGET_OFFSET)[0]
             rows = [self._read_row(mm, i) for i in range(self.capacity)]
+            charged = sum(self._reserved_column.unpack_from(mm, 0))  # what charges see
         live = [row for row in rows if row is not None]
+        owned = sum(row.reserved for row in live)
         totals = Totals(
             budget=budget,
-            reserved=sum(row.reserved for row in live),
+            reserved=charged,
             used=sum(row.used for row in live),
             instances=len(live),
+            unowned=charged - owned,
         )
         return totals, live
 
@@ -740,12 +908,24 @@ class Ledger(Closeable):
     def _reclaim_dead(self, timeout: float | None) -> int:
         me = _identity()
         mine = (me.pid, me.start_time, me.pid_namespace)
+        unowned = 0
         with self._locked(timeout) as mm:
             candidates = []
             for index in range(self.capacity):
-                pid, start, namespace = _HOT.unpack_from(mm, self._row_offset(index))[:3]
-                if pid and namespace == me.pid_namespace and (pid, start, namespace) != mine:
+                pid, start, namespace, _, reserved = _HOT.unpack_from(mm, self._row_offset(index))[
+                    :5
+                ]
+                if not pid:
+                    unowned += reserved
+                elif namespace == me.pid_namespace and (pid, start, namespace) != mine:
                     candidates.append((index, pid, start))
+        if unowned and not self._warned_unowned:
+            self._warned_unowned = True
+            log.warning(
+                "ledger %s is corrupted: free rows hold %d bytes that count against the "
+                "budget though no instance holds them; 'kvctl repair --key %s' clears them",
+                self.path, unowned, self.key,
+            )  # fmt: skip
         dead = [(i, pid, start) for i, pid, start in candidates if not _alive(pid, start)]
         if not dead:
             return 0
@@ -757,6 +937,29 @@ class Ledger(Closeable):
                     self._clear_row(mm, index)
                     cleared += 1
         return cleared
+
+    def unowned_rows(self) -> dict[int, int]:
+        """Free rows (pid 0) that hold bytes anyway, as {row index: reserved}: what a
+        corrupted ledger charges to nobody. Normally empty."""
+        with self._locked() as mm:
+            return self._unowned(mm)
+
+    def _unowned(self, mm: mmap.mmap) -> dict[int, int]:
+        found = {}
+        for index in range(self.capacity):
+            offset = self._row_offset(index)
+            if _U32.unpack_from(mm, offset)[0] == 0 and any(mm[offset : offset + ROW_SIZE]):
+                found[index] = _U64.unpack_from(mm, offset + _RESERVED_OFFSET)[0]
+        return found
+
+    def repair(self) -> Repair:
+        """Clear free rows that are not all zeros (a corrupted ledger: their reserved
+        bytes count against the budget, though no instance holds them)."""
+        with self._locked() as mm:
+            found = self._unowned(mm)
+            for index in found:
+                self._clear_row(mm, index)
+        return Repair(rows=sorted(found), unowned=sum(found.values()))
 
     def _clear_stale_boot(self) -> None:
         boot = _boot_id()
@@ -780,6 +983,7 @@ class Ledger(Closeable):
         engine_bytes = _encode("engine", engine, _ENGINE, ENGINE_BYTES)
         limit = _check_limit(limit)
         me = _identity()
+        registered = _registration_time()
         self.reclaim_dead()
         with self._locked() as mm:
             taken = self._find(mm, name)
@@ -811,11 +1015,11 @@ class Ledger(Closeable):
                 0,
                 0,
                 0,
-                time.time(),
+                registered,
                 name_bytes,
                 engine_bytes,
             )
-        account = LedgerAccount(self, free, name, engine, me)
+        account = LedgerAccount(self, free, name, engine, me, registered)
         self._accounts.add(account)
         _open_accounts.add(account)
         return account
@@ -851,7 +1055,9 @@ class Ledger(Closeable):
     def forget(self, name: str, *, force: bool = False) -> InstanceRow:
         """Remove the row of instance `name` by hand, for a process this ledger cannot
         judge itself (one in another pid namespace). Without `force` it is refused for
-        a live process and for one whose liveness cannot be checked from here."""
+        a live process and for one whose liveness cannot be checked from here. A live
+        instance forgotten with `force` keeps running without a row: it takes no more
+        memory, and the bytes it holds are no longer counted (see LedgerAccount)."""
         with self._locked() as mm:
             row = self._find(mm, name)
             if row is None:
@@ -894,14 +1100,62 @@ class Ledger(Closeable):
         return f"Ledger({self.key!r}, path={str(self.path)!r}, closed={self._closed})"
 
 
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, OSError):
+        return f"uid {uid}"
+
+
+def _owned_by_another(uid: int) -> str:
+    return f"is owned by {_user_name(uid)}, not by this user ({_user_name(os.geteuid())})"
+
+
+def _squatted(path: Path, what: str) -> LedgerError:
+    """The error for an entry at a ledger's path that kvcached must not use."""
+    return LedgerError(
+        f"{path} {what}, so it cannot be this user's ledger; nothing was changed. If you "
+        "did not make it, another user may have (anyone can create names in a shared "
+        "folder such as /dev/shm), which keeps you from using kvcached there. Remove it if "
+        "it is yours, or set KVCACHED_LEDGER_DIR to a folder only you can write (the "
+        "default is your runtime directory, $XDG_RUNTIME_DIR, when you have one)"
+    )
+
+
+def _open_error(path: Path, exc: OSError) -> LedgerError:
+    """A clear error for a failed open of an existing ledger path."""
+    if exc.errno == errno.ELOOP:
+        try:
+            target = f" to {os.readlink(path)}"
+        except OSError:
+            target = ""
+        return _squatted(path, f"is a symbolic link{target} (never followed here)")
+    if exc.errno == errno.EISDIR:
+        return _squatted(path, "is a directory")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.ENXIO, errno.EOPNOTSUPP):
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if info.st_uid != os.geteuid():
+                return _squatted(path, _owned_by_another(info.st_uid))
+            if not stat.S_ISREG(info.st_mode):
+                return _squatted(path, "is not a regular file")
+    return LedgerError(f"cannot open ledger {path}: {exc.strerror}")
+
+
 def _alive(pid: int, start_time: int) -> bool:
     now = process_start_time(pid)
     return now is not None and (now == start_time or not _HAVE_PROC)
 
 
-def _publish_new_file(path: Path, budget: int, capacity: int) -> None:
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB ({nbytes} bytes)"
+
+
+def _publish_new_file(path: Path, budget: int, capacity: int) -> bool:
     """Write a complete ledger to a private temporary file and link it into place; if
-    another process published one first, keep theirs."""
+    another process published one first, keep theirs. Returns whether ours was linked."""
     folder = path.parent
     try:
         info = os.stat(folder)
@@ -933,7 +1187,7 @@ def _publish_new_file(path: Path, budget: int, capacity: int) -> None:
         try:
             os.link(tmp, path)
         except FileExistsError:
-            pass  # a concurrent creator won; the caller opens its file
+            return False  # a concurrent creator won (or a squatter); the caller opens it
         except OSError as exc:
             raise LedgerError(
                 f"cannot create ledger {path}: {exc.strerror} (the folder must support "
@@ -943,6 +1197,7 @@ def _publish_new_file(path: Path, budget: int, capacity: int) -> None:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+    return True
 
 
 # ------------------------------------------------------------------------ accounts
@@ -954,22 +1209,39 @@ class LedgerAccount(Closeable):
     only when the instance holds no memory any more (rows of processes that exit
     without closing are cleared as dead). Belongs to the process that registered it:
     a forked child must register its own.
+
+    If the row is removed while the instance runs (`kvctl forget --force`), the account
+    becomes `lost`: every charge is refused, refunds and `set_used` are kept in this
+    process only, and `limit` answers what the instance still holds, so its allocator
+    stops growing, keeps serving from what it has, and can still release everything.
     """
 
     __slots__ = (
         "__weakref__",
         "_closed",
         "_epoch",
+        "_held",
         "_ledger",
+        "_lost",
         "_offset",
+        "_owner",
         "_pid",
         "_start",
+        "_used",
         "engine",
         "index",
         "name",
     )
 
-    def __init__(self, ledger: Ledger, index: int, name: str, engine: str, me: _Identity) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        index: int,
+        name: str,
+        engine: str,
+        me: _Identity,
+        registered: float,
+    ) -> None:
         self._ledger = ledger
         self.index = index
         self.name = name
@@ -977,27 +1249,40 @@ class LedgerAccount(Closeable):
         self._offset = HEADER_SIZE + index * ROW_SIZE
         self._pid = me.pid
         self._start = me.start_time
+        self._owner = (me.pid, me.start_time, registered)
         self._epoch = _fork_epoch
         self._closed = False
+        self._lost = False
+        self._held = 0  # reserved bytes, as last seen in the row (all there is once lost)
+        self._used = 0
 
     @property
     def ledger(self) -> Ledger:
         return self._ledger
 
+    @property
+    def lost(self) -> bool:
+        """Whether this instance's row was removed from under it (kvctl forget --force)."""
+        return self._lost
+
     # ------------------------------------------------------------ the hot path
     def try_charge(self, nbytes: int) -> bool:
         """Charge `nbytes` if this instance's limit and the device budget allow it.
         Returns False, charging nothing, when they do not (after clearing the rows of
-        dead instances and trying once more)."""
+        dead instances and trying once more), and always once the row was lost."""
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgument(f"charge must be a non-negative int, got {nbytes!r}")
         if self._charge(nbytes, count_refusal=False):
             return True
+        if self._lost:
+            return False
         self._ledger._reclaim_dead(timeout=None)  # blocks like the charge itself
         return self._charge(nbytes, count_refusal=True)
 
     def _charge(self, nbytes: int, *, count_refusal: bool) -> bool:
         ledger = self._check()
+        if self._lost:
+            return False
         lock = ledger._tlock
         lock.acquire()
         try:
@@ -1005,22 +1290,32 @@ class LedgerAccount(Closeable):
             try:
                 mm = ledger._mm
                 offset = self._offset
-                pid, start, _ns, limit, reserved, peak = _HOT.unpack_from(mm, offset)
-                if pid != self._pid or start != self._start:
-                    raise self._lost()
-                total = sum(ledger._reserved_column.unpack_from(mm, 0))
-                new = reserved + nbytes
-                if new > limit or total + nbytes > _BUDGET.unpack_from(mm, _BUDGET_OFFSET)[0]:
-                    if count_refusal:
-                        denied_at = offset + _DENIED_OFFSET
-                        _U64.pack_into(mm, denied_at, _U64.unpack_from(mm, denied_at)[0] + 1)
-                    return False
-                _RESERVED_PEAK.pack_into(mm, offset + _RESERVED_OFFSET, new, max(new, peak))
-                return True
+                pid, start, _ns, limit, reserved, peak, registered = _OWNED_HOT.unpack_from(
+                    mm, offset
+                )
+                if (pid, start, registered) != self._owner:
+                    lost = True
+                else:
+                    lost = False
+                    total = sum(ledger._reserved_column.unpack_from(mm, 0))
+                    new = reserved + nbytes
+                    budget = _BUDGET.unpack_from(mm, _BUDGET_OFFSET)[0]
+                    if new > limit or total + nbytes > budget:
+                        if count_refusal:
+                            denied_at = offset + _DENIED_OFFSET
+                            _U64.pack_into(mm, denied_at, _U64.unpack_from(mm, denied_at)[0] + 1)
+                        self._held = reserved
+                        return False
+                    _RESERVED_PEAK.pack_into(mm, offset + _RESERVED_OFFSET, new, max(new, peak))
+                    self._held = new
+                    return True
             finally:
                 fcntl.flock(ledger._fd, fcntl.LOCK_UN)
         finally:
             lock.release()
+        if lost:
+            self._become_lost()
+        return False
 
     def refund(self, nbytes: int) -> None:
         """Give back `nbytes` charged earlier. Refunding more than is reserved is the
@@ -1028,38 +1323,54 @@ class LedgerAccount(Closeable):
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgument(f"refund must be a non-negative int, got {nbytes!r}")
         ledger = self._check()
-        lock = ledger._tlock
-        lock.acquire()
-        try:
-            fcntl.flock(ledger._fd, fcntl.LOCK_EX)
+        if not self._lost:
+            lock = ledger._tlock
+            lock.acquire()
             try:
-                mm = ledger._mm
-                offset = self._offset
-                pid, start, _ns, _limit, reserved, _peak = _HOT.unpack_from(mm, offset)
-                if pid != self._pid or start != self._start:
-                    raise self._lost()
-                if nbytes > reserved:
-                    raise InvalidArgument(
-                        f"refund of {nbytes} bytes is more than the {reserved} bytes "
-                        f"instance {self.name!r} has reserved"
-                    )
-                _U64.pack_into(mm, offset + _RESERVED_OFFSET, reserved - nbytes)
+                fcntl.flock(ledger._fd, fcntl.LOCK_EX)
+                try:
+                    mm = ledger._mm
+                    offset = self._offset
+                    owned = _OWNED_HOT.unpack_from(mm, offset)
+                    if (owned[0], owned[1], owned[6]) == self._owner:
+                        reserved = owned[4]
+                        if nbytes > reserved:
+                            raise self._over_refund(nbytes, reserved)
+                        _U64.pack_into(mm, offset + _RESERVED_OFFSET, reserved - nbytes)
+                        self._held = reserved - nbytes
+                        return
+                finally:
+                    fcntl.flock(ledger._fd, fcntl.LOCK_UN)
             finally:
-                fcntl.flock(ledger._fd, fcntl.LOCK_UN)
-        finally:
-            lock.release()
+                lock.release()
+            self._become_lost()
+        # Lost: the bytes are in no ledger any more; keep this process's count right.
+        with ledger._tlock:
+            if nbytes > self._held:
+                raise self._over_refund(nbytes, self._held)
+            self._held -= nbytes
+
+    def _over_refund(self, nbytes: int, reserved: int) -> InvalidArgument:
+        return InvalidArgument(
+            f"refund of {nbytes} bytes is more than the {reserved} bytes "
+            f"instance {self.name!r} has reserved"
+        )
 
     def set_used(self, nbytes: int) -> None:
         """Report the bytes that hold live blocks now (shown by kvctl, kvtop, metrics)."""
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidArgument(f"used bytes must be a non-negative int, got {nbytes!r}")
+        self._used = nbytes
         self._field(_USED_OFFSET, nbytes)
 
     # ---------------------------------------------------------------- reading
     @property
     def limit(self) -> int | None:
-        """This instance's limit now (kvctl may change it at any time), or None."""
+        """This instance's limit now (kvctl may change it at any time), or None. Once
+        the row is lost: what the instance still holds, so that it grows no more."""
         value = self._field(_LIMIT_OFFSET)
+        if value is None:
+            return self._held
         return None if value == NO_LIMIT else value
 
     def headroom(self) -> int:
@@ -1072,15 +1383,20 @@ class LedgerAccount(Closeable):
 
     @property
     def reserved(self) -> int:
-        return self._field(_RESERVED_OFFSET)
+        value = self._field(_RESERVED_OFFSET)
+        return self._held if value is None else value
 
     @property
     def used(self) -> int:
-        return self._field(_USED_OFFSET)
+        value = self._field(_USED_OFFSET)
+        return self._used if value is None else value
 
-    def _field(self, field: int, value: int | None = None) -> int:
-        """Read one u64 field of this row, or write `value` into it; under the locks."""
+    def _field(self, field: int, value: int | None = None) -> int | None:
+        """Read one u64 field of this row, or write `value` into it, under the locks;
+        None once the row is lost."""
         ledger = self._check()
+        if self._lost:
+            return None
         lock = ledger._tlock
         lock.acquire()
         try:
@@ -1088,21 +1404,22 @@ class LedgerAccount(Closeable):
             try:
                 mm = ledger._mm
                 offset = self._offset
-                pid, start = _IDENTITY.unpack_from(mm, offset)
-                if pid != self._pid or start != self._start:
-                    raise self._lost()
-                if value is not None:
-                    _U64.pack_into(mm, offset + field, value)
-                    return value
-                current: int = _U64.unpack_from(mm, offset + field)[0]
-                return current
+                pid, start, registered = _OWNER.unpack_from(mm, offset)
+                if (pid, start, registered) == self._owner:
+                    if value is not None:
+                        _U64.pack_into(mm, offset + field, value)
+                        return value
+                    current: int = _U64.unpack_from(mm, offset + field)[0]
+                    return current
             finally:
                 fcntl.flock(ledger._fd, fcntl.LOCK_UN)
         finally:
             lock.release()
+        self._become_lost()
+        return None
 
     def row(self) -> InstanceRow:
-        """This instance's whole row."""
+        """This instance's whole row; LedgerError once it was lost."""
         with self._row() as (mm, _):
             row = self._ledger._read_row(mm, self.index)
         assert row is not None
@@ -1116,15 +1433,14 @@ class LedgerAccount(Closeable):
         self._closed = True
         _open_accounts.discard(self)
         ledger = self._ledger
-        if self._epoch != _fork_epoch or ledger.closed or ledger._fd < 0:
+        if self._lost or self._epoch != _fork_epoch or ledger.closed or ledger._fd < 0:
             return
         with ledger._locked(timeout=None) as mm:
-            pid, start = _HOT.unpack_from(mm, self._offset)[:2]
-            if (pid, start) == (self._pid, self._start):
+            if _OWNER.unpack_from(mm, self._offset) == self._owner:
                 ledger._clear_row(mm, self.index)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"row {self.index}"
+        state = "closed" if self._closed else "lost" if self._lost else f"row {self.index}"
         return f"LedgerAccount({self.name!r}, ledger={self._ledger.key!r}, {state})"
 
     # ---------------------------------------------------------------- checks
@@ -1143,13 +1459,26 @@ class LedgerAccount(Closeable):
     @contextlib.contextmanager
     def _row(self) -> Iterator[tuple[mmap.mmap, int]]:
         ledger = self._check()
+        if self._lost:
+            raise self._lost_error()
         with ledger._locked(timeout=None) as mm:
-            pid, start = _HOT.unpack_from(mm, self._offset)[:2]
-            if pid != self._pid or start != self._start:
-                raise self._lost()
+            if _OWNER.unpack_from(mm, self._offset) != self._owner:
+                raise self._lost_error()
             yield mm, self._offset
 
-    def _lost(self) -> LedgerError:
+    def _become_lost(self) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        log.warning(
+            "the ledger row of instance %r on %s was removed while it runs (kvctl forget "
+            "--force?): it takes no more memory from now on and serves from the %d bytes "
+            "it holds, which the device budget no longer counts; restart the instance to "
+            "give it a row again",
+            self.name, self._ledger.key, self._held,
+        )  # fmt: skip
+
+    def _lost_error(self) -> LedgerError:
         return LedgerError(
             f"row {self.index} of ledger {self._ledger.key} no longer belongs to instance "
             f"{self.name!r} (it was removed with 'kvctl forget --force'?)"

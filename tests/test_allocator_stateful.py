@@ -5,10 +5,15 @@ every step: no block is held twice, used + free = capacity, the account is charg
 exactly what the allocator holds, which is exactly what the backend created and what is
 mapped, the limit holds (extents over it are draining), and an "exhausted" answer only
 comes when the limit, the account, the device or the virtual range really had no room.
+
+It runs twice: with the in-process `LocalAccount`, and with a real row of a ledger file
+(`LedgerAccount`), whose device budget is shared with another row holding bytes.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from itertools import pairwise
 from typing import Any
 
@@ -20,6 +25,7 @@ from kvcached.allocator import LocalAccount, PageAllocator
 from kvcached.backends.host import HostBackend
 from kvcached.errors import InvalidArgument
 from kvcached.layout import KVLayout
+from kvcached.ledger import Ledger, LedgerAccount
 
 G = 4096
 NUM_PAGES = 24
@@ -57,7 +63,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.group.blocks_per_page == blocks_per_page
         assert self.group.num_pages == NUM_PAGES
         self.bpp = blocks_per_page
-        self.account = LocalAccount(None if account_limit is None else account_limit * self.page_id)
+        self.account = self.make_account(
+            None if account_limit is None else account_limit * self.page_id
+        )
         low, extra = pool
         self.alloc = PageAllocator(
             self.group, account=self.account, extent_bytes=extent_pages * G,
@@ -71,6 +79,26 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.layout.view(1, "v", dtype="int16"),
         ]
 
+    # ------------------------------------------------------------------ accounts
+    def make_account(self, limit: int | None) -> Any:
+        return LocalAccount(limit)
+
+    def charged(self) -> int:
+        """What the account says the allocator holds."""
+        return int(self.account.charged)
+
+    def set_account_limit_bytes(self, limit: int | None) -> None:
+        self.account.limit = limit
+
+    def account_room(self) -> int | None:
+        """Bytes the account itself would still grant (None: unbounded)."""
+        if self.account.limit is None:
+            return None
+        return int(self.account.limit - self.charged())
+
+    def close_account(self) -> None:
+        pass
+
     # ------------------------------------------------------------------ helpers
     def write(self, block: int) -> None:
         self.stamp = (self.stamp + 1) % 30000
@@ -83,8 +111,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         st_ = self.alloc.stats()
         reserved = st_.reserved_bytes
         bounds = [self.alloc.effective_limit - reserved]
-        if self.account.limit is not None:
-            bounds.append(self.account.limit - self.account.charged)
+        account_room = self.account_room()
+        if account_room is not None:
+            bounds.append(account_room)
         if self.backend.memory_limit is not None:
             bounds.append(self.backend.memory_limit - self.backend.created_bytes)
         mapped = sum(n for _, n in self.alloc.extents())
@@ -157,7 +186,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(limit=st.one_of(st.none(), st.integers(0, NUM_PAGES + 2)))
     def set_account_limit(self, limit: int | None) -> None:
-        self.account.limit = None if limit is None else limit * self.page_id
+        self.set_account_limit_bytes(None if limit is None else limit * self.page_id)
         self.alloc.maintain()
 
     @rule()
@@ -188,7 +217,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         mapped_pages = sum(n for _, n in extents)
         assert s.capacity_blocks == mapped_pages * self.bpp
         assert s.reserved_bytes == mapped_pages * self.page_id
-        assert self.account.charged == s.reserved_bytes == self.backend.created_bytes
+        assert self.charged() == s.reserved_bytes == self.backend.created_bytes
         assert s.inflight_bytes == 0
         # every held block's page id is mapped in every segment
         bounds = [(start, start + n) for start, n in extents] + [(NUM_PAGES, NUM_PAGES)]
@@ -216,11 +245,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not hasattr(self, "alloc"):
             return
         self.alloc.close()
-        assert self.account.charged == 0
+        assert self.charged() == 0
         assert self.backend.created_bytes == 0
         self.layout.close()
         assert self.backend.live_counts == (0, 0)
         self.backend.close()
+        self.close_account()
 
 
 AllocatorMachine.TestCase.settings = settings(
@@ -230,3 +260,81 @@ AllocatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_allocator_against_a_model = AllocatorMachine.TestCase
+
+
+class LedgerAllocatorMachine(AllocatorMachine):
+    """The same model, the allocator charging a real ledger row. Another row of the
+    ledger holds `other_pages`, so the device budget is a bound of its own."""
+
+    @initialize(
+        extent_pages=st.sampled_from([1, 2, 3, 4, 8]),
+        blocks_per_page=st.sampled_from([1, 4, 16]),
+        pool=st.tuples(st.integers(0, 4), st.integers(0, 6)),
+        account_limit=st.one_of(st.none(), st.integers(0, NUM_PAGES + 2)),
+        device_pages=st.one_of(st.none(), st.integers(1, NUM_PAGES + 2)),
+        budget_pages=st.integers(1, NUM_PAGES + 4),
+        other_pages=st.integers(0, 3),
+    )
+    def setup_with_ledger(
+        self,
+        extent_pages: int,
+        blocks_per_page: int,
+        pool: tuple[int, int],
+        account_limit: int | None,
+        device_pages: int | None,
+        budget_pages: int,
+        other_pages: int,
+    ) -> None:
+        self.budget_pages = budget_pages
+        self.other_pages = min(other_pages, budget_pages)
+        AllocatorMachine.setup(
+            self, extent_pages, blocks_per_page, pool, account_limit, device_pages
+        )
+
+    setup = None  # type: ignore[assignment]  # replaced by setup_with_ledger
+
+    def make_account(self, limit: int | None) -> LedgerAccount:
+        self.folder = tempfile.mkdtemp(prefix="kvcached-stateful-")
+        budget = self.budget_pages * self.page_id
+        self.ledger = Ledger.open("stateful-0", budget=budget, directory=self.folder)
+        self.other = self.ledger.register("other", "test")
+        assert self.other.try_charge(self.other_pages * self.page_id)
+        return self.ledger.register("machine", "test", limit)
+
+    def charged(self) -> int:
+        return int(self.account.reserved)
+
+    def set_account_limit_bytes(self, limit: int | None) -> None:
+        self.ledger.set_limit("machine", limit)
+
+    def account_room(self) -> int | None:
+        totals = self.ledger.totals(reclaim=False)
+        room = totals.budget - totals.reserved
+        if self.account.limit is not None:
+            room = min(room, self.account.limit - self.charged())
+        return int(room)
+
+    @invariant()
+    def ledger_agrees(self) -> None:
+        if not hasattr(self, "alloc"):
+            return
+        rows = {row.name: row for row in self.ledger.rows(reclaim=False)}
+        assert rows["machine"].reserved == self.alloc.stats().reserved_bytes
+        assert rows["other"].reserved == self.other_pages * self.page_id
+        assert self.ledger.totals(reclaim=False).reserved <= self.ledger.budget
+
+    def close_account(self) -> None:
+        self.account.close()
+        self.other.close()
+        assert self.ledger.rows(reclaim=False) == []
+        self.ledger.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+LedgerAllocatorMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_allocator_against_a_model_charging_a_real_ledger_row = LedgerAllocatorMachine.TestCase

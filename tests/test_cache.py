@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 
 from kvcached.backends.host import HostBackend
 from kvcached.cache import KVCache
+from kvcached.config import reload_settings
 from kvcached.errors import InvalidArgument
 from kvcached.layout import LayerSpec
 from kvcached.ledger import Ledger, ledger_key
@@ -95,3 +98,64 @@ def test_a_taken_name_is_refused_and_leaks_nothing(backend: HostBackend) -> None
             KVCache(LAYERS, block_size=16, name="same", backend=backend, **QUIET)
         assert backend.live_counts == reservations_before
         assert [row.name for row in _ledger(backend).rows()] == ["same"]
+
+
+def _close_within_a_minute(cache: KVCache) -> None:
+    """close() in a thread, so that a hang fails this test instead of the whole run."""
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            cache.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(60)
+    assert not closer.is_alive(), "KVCache.close() hung"
+    assert errors == []
+
+
+@pytest.mark.parametrize("trim_first", [True, False])
+def test_forget_force_of_a_live_cache_stops_growth_and_close_returns_everything(
+    backend: HostBackend, caplog: pytest.LogCaptureFixture, trim_first: bool
+) -> None:
+    options = {"pool_low": 0, "pool_high": 0, "release_delay": 0.0, "poll_interval": 0.01}
+    cache = KVCache(LAYERS, block_size=16, name="victim", backend=backend, **options)
+    with caplog.at_level(logging.WARNING):
+        blocks = cache.alloc(600)
+        assert blocks is not None
+        capacity = cache.allocators[0].capacity_blocks
+        with _ledger(backend) as kvctl_side:
+            kvctl_side.forget("victim", force=True)
+            assert kvctl_side.rows() == []
+        assert cache.alloc(capacity) is None  # would need growth: refused, not raised
+        more = cache.alloc(capacity - 600)  # what is mapped still serves
+        assert more is not None
+        cache.allocators[0].maintain()  # what the pool thread runs: no error either
+        cache.free(blocks + more)
+        if trim_first:
+            assert cache.allocators[0].trim(0) > 0
+        _close_within_a_minute(cache)
+    assert backend.live_counts == (0, 0)
+    assert cache.allocators[0].last_error is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r for r in caplog.records if "removed while it runs" in r.getMessage()]
+
+
+def test_budget_setting_ignored_by_an_existing_ledger_is_warned_about(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Ledger.open(ledger_key(backend.name, backend.device), budget=64 * MiB).close()
+    monkeypatch.setenv("KVCACHED_BUDGET", "128MiB")
+    reload_settings()
+    with (
+        caplog.at_level(logging.WARNING, logger="kvcached.ledger"),
+        KVCache(LAYERS, block_size=16, name="a", backend=backend, **QUIET) as cache,
+    ):
+        assert cache.ledger.budget == 64 * MiB
+    (record,) = caplog.records
+    assert "KVCACHED_BUDGET=128MiB is ignored" in record.getMessage()
+    assert "budget of 0.06 GiB (67108864 bytes)" in record.getMessage()
+    assert "kvctl budget" in record.getMessage()

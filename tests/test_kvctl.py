@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -12,13 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from kvcached.config import reload_settings
 from kvcached.kvctl import app as kvctl
 from kvcached.kvtop import app as kvtop
-from kvcached.kvtop import format_bytes, usage_bar
-from kvcached.ledger import Ledger, LedgerAccount, ledger_path
+from kvcached.kvtop import format_bytes, format_bytes_short, frame, usage_bar
+from kvcached.ledger import HEADER_SIZE, ROW_SIZE, Ledger, LedgerAccount, ledger_path
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -152,10 +154,10 @@ def test_limit_none_removes_it(instances: tuple[LedgerAccount, LedgerAccount]) -
     ("args", "message"),
     [
         (["vllm-a", "lots"], "is not a size"),
-        (["vllm-a", "0"], "must be positive"),
         (["vllm-a", "150%"], "percentage must be in"),
         (["vllm-a", "1.5.5GiB"], "is not a size"),
-        (["--", "vllm-a", "-3GiB"], "is not a size"),
+        (["--", "vllm-a", "-3GiB"], "is negative"),
+        (["vllm-a", "-3GiB"], "is negative"),
     ],
 )
 def test_limit_rejects_malformed_sizes(
@@ -230,6 +232,18 @@ def test_forget_refuses_a_live_instance(instances: object, ledger: Ledger) -> No
     result = runner.invoke(kvctl, ["forget", "vllm-a", "--force"])
     assert result.exit_code == 0
     assert [r.name for r in ledger.rows()] == ["sglang-b"]
+
+
+def test_forget_force_of_a_live_instance_warns_that_its_bytes_leave_the_budget(
+    instances: tuple[LedgerAccount, LedgerAccount], ledger: Ledger
+) -> None:
+    result = runner.invoke(kvctl, ["forget", "vllm-a", "--force"])
+    assert result.exit_code == 0, result.output
+    warning = " ".join(result.stderr.split())
+    assert f"pid {os.getpid()} is still running: vllm-a keeps the 3.00 GiB" in warning
+    assert "takes no more memory" in warning
+    a, _ = instances
+    assert not a.try_charge(1) and a.lost  # as the warning says
 
 
 def test_kvtop_once_draws_bars(instances: tuple[LedgerAccount, LedgerAccount]) -> None:
@@ -376,3 +390,233 @@ def test_console_scripts_are_installed() -> None:
         )
         assert result.returncode == 0, result.stderr
         assert "ledger" in result.stdout
+
+
+# ------------------------------------------------- limits of 0 and below, relative dirs
+@pytest.mark.parametrize("size", ["-1", "-0.5GiB", "-25%"])
+def test_limit_minus_one_is_refused_as_negative_not_as_an_unknown_option(
+    instances: tuple[LedgerAccount, LedgerAccount], size: str
+) -> None:
+    a, _ = instances
+    result = runner.invoke(kvctl, ["limit", "vllm-a", size])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.stderr.split())
+    assert f"limit '{size}' is negative" in message
+    assert "'none'" in message and "0 (take no more memory" in message
+    assert "No such option" not in result.output
+    assert a.limit is None
+
+
+@pytest.mark.parametrize("size", ["0", "0B", "0GiB"])
+def test_limit_zero_is_accepted_as_the_library_accepts_it(
+    instances: tuple[LedgerAccount, LedgerAccount], size: str
+) -> None:
+    a, _ = instances
+    result = runner.invoke(kvctl, ["limit", "vllm-a", size])
+    assert result.exit_code == 0, result.output
+    assert a.limit == 0
+    assert not a.try_charge(1)
+    assert "takes no more memory" in " ".join(result.stdout.split())
+
+
+def test_malformed_limit_names_every_accepted_form(
+    instances: tuple[LedgerAccount, LedgerAccount],
+) -> None:
+    result = runner.invoke(kvctl, ["limit", "vllm-a", "lots"])
+    message = " ".join(result.stderr.split())
+    assert "is not a size" in message and "'none'" in message and "'25%'" in message
+
+
+def test_relative_ledger_dir_is_taken_from_the_current_directory(
+    ledger: Ledger, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(folder.parent)
+    result = runner.invoke(kvctl, ["list", "--json", "--ledger-dir", folder.name])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["path"] == str(ledger.path)
+    assert Path(json.loads(result.stdout)["path"]).is_absolute()
+    missing = runner.invoke(kvctl, ["list", "--ledger-dir", "no-such-dir"])
+    assert missing.exit_code == 1
+    assert str(folder.parent / "no-such-dir") in " ".join(missing.stderr.split())
+
+
+# ----------------------------------------------------------- serve-metrics errors
+def test_serve_metrics_on_a_port_in_use_is_a_clear_error(ledger: Ledger) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(kvctl, ["serve-metrics", "--port", str(port)])
+    assert result.exit_code == 1
+    message = " ".join(result.stderr.split())
+    assert f"cannot serve metrics on 127.0.0.1:{port}: port {port} is already in use" in message
+    assert "Traceback" not in result.output and result.exception is not None
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_serve_metrics_on_an_address_not_of_this_machine_is_a_clear_error(
+    ledger: Ledger,
+) -> None:
+    result = runner.invoke(kvctl, ["serve-metrics", "--port", "0", "--addr", "192.0.2.1"])
+    assert result.exit_code == 1
+    assert "192.0.2.1 is not an address of this machine" in " ".join(result.stderr.split())
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_serve_metrics_on_a_name_that_does_not_resolve_is_a_clear_error(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_such_name(*args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)  # no resolver needed
+    result = runner.invoke(kvctl, ["serve-metrics", "--port", "0", "--addr", "metrics.nowhere"])
+    assert result.exit_code == 1
+    message = " ".join(result.stderr.split())
+    assert "--addr 'metrics.nowhere' is not an address or host name" in message
+    assert isinstance(result.exception, SystemExit)
+
+
+# ------------------------------------------------- names from the file, shown safely
+HOSTILE = b"evil[/]\x1b[2J\x1b]0;owned\x07\xe2\x80\xae"
+
+
+def _rename_row(ledger: Ledger, account: LedgerAccount, raw: bytes) -> None:
+    """Write `raw` as the account's name, as anything with write access to the file can."""
+    with ledger._locked() as mm:
+        offset = HEADER_SIZE + account.index * ROW_SIZE + 72
+        mm[offset : offset + 64] = raw.ljust(64, b"\0")
+
+
+@pytest.mark.parametrize("command", [["list"], ["watch", "--count", "1"], ["budget"]])
+def test_hostile_names_in_the_ledger_crash_nothing_and_reach_no_terminal(
+    instances: tuple[LedgerAccount, LedgerAccount], ledger: Ledger, command: list[str]
+) -> None:
+    _rename_row(ledger, instances[0], HOSTILE)
+    result = runner.invoke(kvctl, command)
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert "\u202e" not in result.output
+    if command[0] != "budget":
+        assert "evil[/]\\x1b[2J" in result.stdout  # shown, escaped, not read as markup
+
+
+def test_hostile_names_are_shown_safely_by_kvtop_and_json(
+    instances: tuple[LedgerAccount, LedgerAccount], ledger: Ledger
+) -> None:
+    _rename_row(ledger, instances[0], HOSTILE)
+    top = runner.invoke(kvtop, ["--once"])
+    assert top.exit_code == 0, top.output
+    assert "\x1b" not in top.output and "evil[/]" in top.stdout
+    listing = runner.invoke(kvctl, ["list", "--json"])
+    names = [row["name"] for row in json.loads(listing.stdout)["instances"]]
+    assert "evil[/]\\x1b[2J\\x1b]0;owned\\x07\\u202e" in names
+
+
+def test_a_hostile_name_can_be_forgotten_by_the_name_shown(
+    instances: tuple[LedgerAccount, LedgerAccount], ledger: Ledger
+) -> None:
+    _rename_row(ledger, instances[0], b"evil[/]\x1b[2J")
+    result = runner.invoke(kvctl, ["forget", "--force", "evil[/]\\x1b[2J"])
+    assert result.exit_code == 0, result.output
+    assert "evil[/]\\x1b[2J: row of pid" in result.stdout
+    unknown = runner.invoke(kvctl, ["limit", "[/]", "1GiB"])
+    assert unknown.exit_code == 1
+    assert "no instance named '[/]'" in unknown.stderr
+
+
+# --------------------------------------------------- bytes that free rows still hold
+def test_list_shows_bytes_held_by_free_rows_and_repair_clears_them(
+    instances: tuple[LedgerAccount, LedgerAccount], ledger: Ledger
+) -> None:
+    with ledger._locked() as mm:
+        mm[HEADER_SIZE + 40 * ROW_SIZE + 32 : HEADER_SIZE + 40 * ROW_SIZE + 40] = (
+            4 * GiB
+        ).to_bytes(8, "little")
+    a, _ = instances
+    assert not a.try_charge(1)  # the budget is full of bytes nobody holds
+    listing = runner.invoke(kvctl, ["list"])
+    assert listing.exit_code == 0, listing.output
+    assert "2 instances, 8.00 GiB of 8.00 GiB reserved (100%)" in listing.stdout
+    warning = " ".join(listing.stderr.split())
+    assert "4.00 GiB of the reserved bytes belong to no instance" in warning
+    assert "kvctl repair" in warning
+    report = json.loads(runner.invoke(kvctl, ["list", "--json"]).stdout)
+    assert (report["reserved"], report["unowned"], report["free"]) == (8 * GiB, 4 * GiB, 0)
+    assert "belong to no instance" in runner.invoke(kvtop, ["--once"]).stdout
+
+    repaired = runner.invoke(kvctl, ["repair"])
+    assert repaired.exit_code == 0, repaired.output
+    assert "cleared free row(s) 40; 4.00 GiB" in " ".join(repaired.stdout.split())
+    assert a.try_charge(GiB)
+    assert "nothing to repair" in runner.invoke(kvctl, ["repair"]).stdout
+    assert runner.invoke(kvctl, ["list"]).stderr == ""
+
+
+# ------------------------------------------------------------------- kvtop at 80x24
+REALISTIC = [f"model-{i:02d}-llama-3.1-8b-instruct" for i in range(30)]
+
+
+def _render(renderable: object, width: int) -> list[str]:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize(("width", "height"), [(80, 24), (60, 20), (120, 40)])
+def test_kvtop_at_80x24_keeps_realistic_names_whole_and_says_how_many_rows_are_hidden(
+    folder: Path, width: int, height: int
+) -> None:
+    with Ledger.open("cuda-0", budget=140 * GiB) as ledger:
+        for i, name in enumerate(REALISTIC):
+            account = ledger.register(name, "vllm")
+            assert account.try_charge((i + 1) * 30 * MiB)  # 30 MiB .. 900 MiB each
+            account.set_used((i + 1) * 10 * MiB)
+            if i in (28, 29):  # two over their limit: their notes take lines too
+                ledger.set_limit(name, 100 * MiB)
+        lines = _render(frame(ledger, width, height), width)
+    assert len(lines) <= height
+    assert all(len(line) <= width for line in lines)
+    if width < 80:
+        return  # narrower: names are cut with an ellipsis, but the frame still fits
+    notes = [line for line in lines if "over its limit" in line]
+    assert len(notes) == 2
+    rows = [line for line in lines if line.startswith("model-") and line not in notes]
+    assert len(rows) >= 10
+    assert rows[0].startswith("model-29-llama-3.1-8b-instruct ")  # largest first, whole
+    for row in rows:
+        name, rest = row.split(" ", 1)
+        assert name in REALISTIC
+        assert "█" in rest and "▒" in rest  # sub-GiB on 140 GiB: bars still drawn
+    hidden = len(REALISTIC) - len(rows)
+    assert (hidden > 0) == (height < 40)  # 30 rows fit in 40 lines, not in 24
+    assert any(f"+ {hidden} more not shown" in line for line in lines) == (hidden > 0)
+
+
+def test_kvtop_once_at_80_columns_shows_whole_names(folder: Path) -> None:
+    with Ledger.open("host-cpu", budget=140 * GiB) as ledger:
+        accounts = [ledger.register(name, "vllm") for name in REALISTIC[:3]]
+        for account in accounts:
+            assert account.try_charge(300 * MiB)
+        result = runner.invoke(kvtop, ["--once"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert sum(1 for line in lines if line.split(" ")[0] in REALISTIC) == 3
+
+
+def test_usage_bar_draws_a_cell_for_any_non_zero_amount() -> None:
+    bar = usage_bar(used=1, reserved=2, limit=None, scale=1 << 40, width=10)
+    assert bar.plain == "█·········"
+    assert usage_bar(used=0, reserved=0, limit=None, scale=100, width=4).plain == "····"
+    full_limit = usage_bar(used=50, reserved=100, limit=100, scale=100, width=4)
+    assert full_limit.plain == "██▒│"  # a limit at the scale is still marked
+
+
+def test_format_bytes_short_fits_five_characters() -> None:
+    assert format_bytes_short(0) == "0B"
+    assert format_bytes_short(512 * MiB) == "512M"
+    assert format_bytes_short(3 * GiB // 2) == "1.50G"
+    assert format_bytes_short(int(12.5 * GiB)) == "12.5G"
+    assert format_bytes_short(1023 * MiB) == "1023M"
+    assert format_bytes_short(None) == "-"

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import platform
 import signal
 import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -409,17 +413,87 @@ def test_killed_process_is_reclaimed_by_a_charge_that_would_fail(ledger: Ledger)
         proc.wait()
 
 
-def test_zombie_counts_as_dead(ledger: Ledger) -> None:
+def test_killed_process_not_yet_reaped_counts_as_dead(ledger: Ledger) -> None:
     proc = _spawn_holder(ledger.path.parent, "zombie", 10 * MiB)
     os.kill(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while process_start_time(proc.pid) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)  # not reaped: it stays a zombie until proc.wait()
     try:
-        assert os.path.exists(f"/proc/{proc.pid}")
+        _wait_for(lambda: process_start_time(proc.pid) is None, "the killed holder to exit")
+        # Not reaped (no proc.wait() yet): a zombie whose every thread has exited.
+        assert _state(proc.pid) == "Z"
+        assert os.listdir(f"/proc/{proc.pid}/task") == [str(proc.pid)]
         assert ledger.rows() == []
     finally:
         proc.wait()
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rfind(")") + 2]
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30  # only against a hang; never asserts a speed
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.005)
+
+
+_SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(platform.machine())
+
+
+@pytest.mark.skipif(_SYS_EXIT is None, reason="needs the exit syscall number of this CPU")
+def test_reclaim_waits_for_all_threads_of_a_killed_process(ledger: Ledger) -> None:
+    # The main thread exits on its own (the exit syscall, not exit_group) while another
+    # thread runs on: /proc/<pid>/stat then says "Z", as it does within milliseconds of
+    # a SIGKILL while the other threads still hold the process's memory. That row must
+    # stay until the last thread is gone.
+    code = (
+        "import ctypes, os, sys, threading\n"
+        "from kvcached.ledger import Ledger\n"
+        f"l = Ledger.open('host-cpu', directory={str(ledger.path.parent)!r})\n"
+        "a = l.register('half-dead', 'test')\n"
+        f"assert a.try_charge({60 * MiB})\n"
+        "def last_thread():\n"
+        "    sys.stdin.buffer.read(1)\n"
+        "    os._exit(0)\n"
+        "threading.Thread(target=last_thread).start()\n"
+        "print('ready', flush=True)\n"
+        f"ctypes.CDLL(None).syscall({_SYS_EXIT}, 0)  # ends this thread only\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        _wait_for(lambda: _state(proc.pid) == "Z", "the main thread to become a zombie")
+        assert process_start_time(proc.pid) is not None  # a thread is left: alive
+        assert ledger.reclaim_dead() == 0
+        other = ledger.register("other", "test")
+        assert not other.try_charge(50 * MiB)  # a failing charge does not reclaim it
+        assert [r.name for r in ledger.rows()] == ["half-dead", "other"]
+
+        proc.stdin.write(b"x")  # the last thread exits; nothing reaps the process yet
+        proc.stdin.flush()
+        _wait_for(lambda: process_start_time(proc.pid) is None, "the last thread to exit")
+        assert os.path.exists(f"/proc/{proc.pid}")
+        assert other.try_charge(50 * MiB)  # now it is reclaimed
+        assert [r.name for r in ledger.rows()] == ["other"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_process_start_time_of_a_thread_group_counts_live_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The liveness rule on its own: a zombie leader is alive while any task runs.
+    pid = os.getpid()
+    monkeypatch.setattr(ledger_module, "_EXITED", (b"Z", b"X", b"x", b"R", b"S"))
+    monkeypatch.setattr(ledger_module, "_has_running_thread", lambda _pid: True)
+    assert process_start_time(pid) is not None
+    monkeypatch.setattr(ledger_module, "_has_running_thread", lambda _pid: False)
+    assert process_start_time(pid) is None
 
 
 def test_reused_pid_is_not_mistaken_for_the_old_process(ledger: Ledger) -> None:
@@ -434,8 +508,10 @@ def test_reused_pid_is_not_mistaken_for_the_old_process(ledger: Ledger) -> None:
         )
     assert ledger.reclaim_dead() == 1
     assert [r.name for r in ledger.rows()] == ["a"]
+    assert not b.try_charge(1)  # the row is no longer b's: refused, not raised
+    assert b.lost
     with pytest.raises(LedgerError, match="no longer belongs"):
-        b.try_charge(1)
+        b.row()
 
 
 def test_rows_of_another_pid_namespace_are_left_alone(ledger: Ledger) -> None:
@@ -459,8 +535,8 @@ def test_forget_refuses_a_live_process_unless_forced(ledger: Ledger) -> None:
         ledger.forget("alive")
     ledger.forget("alive", force=True)
     assert ledger.rows() == []
-    with pytest.raises(LedgerError, match="no longer belongs"):
-        a.refund(0)
+    a.refund(0)  # harmless once forgotten (see the tests of forgotten live instances)
+    assert a.lost
 
 
 def test_rows_of_a_previous_boot_are_cleared_on_open(ledger: Ledger) -> None:
@@ -615,3 +691,248 @@ def test_unwritable_ledger_folder_is_a_clear_error(tmp_path: Path) -> None:
             Ledger.open("host-cpu", budget=MiB, directory=tmp_path)
     finally:
         os.chmod(tmp_path, 0o700)
+
+
+# ------------------------------------------------- a live instance forgotten by hand
+def test_forgotten_live_account_refuses_charges_instead_of_raising(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(10 * MiB)
+    a.set_used(MiB)
+    with Ledger.open("host-cpu") as kvctl_side:
+        kvctl_side.forget("a", force=True)
+    with caplog.at_level(logging.WARNING, logger="kvcached.ledger"):
+        assert not a.try_charge(MiB)
+        assert not a.try_charge(0)
+        assert a.lost
+        assert a.limit == 10 * MiB  # what it still holds: it grows no more
+        a.set_used(2 * MiB)
+        a.refund(4 * MiB)
+        assert (a.reserved, a.used, a.limit) == (6 * MiB, 2 * MiB, 6 * MiB)
+        with pytest.raises(InvalidArgument, match="more than"):
+            a.refund(7 * MiB)
+        a.refund(6 * MiB)
+        a.close()
+    warnings = [r for r in caplog.records if "was removed while it runs" in r.getMessage()]
+    assert len(warnings) == 1  # said once, not at every call
+    assert ledger.rows() == [] and ledger.totals().reserved == 0
+
+
+def test_refund_to_a_forgotten_row_never_touches_a_row_its_process_registered_again(
+    ledger: Ledger,
+) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(10 * MiB)
+    ledger.forget("a", force=True)
+    b = ledger.register("a", "vllm")  # same process, same name, the same free row
+    assert b.index == a.index
+    assert b.try_charge(3 * MiB)
+    a.refund(10 * MiB)
+    assert not a.try_charge(MiB)
+    a.set_used(5 * MiB)
+    a.close()
+    assert (b.reserved, b.used) == (3 * MiB, 0)
+    assert [(r.name, r.reserved) for r in ledger.rows()] == [("a", 3 * MiB)]
+    assert not b.lost
+
+
+# ------------------------------------------------------- bytes held by a free row
+def _put_bytes_in_free_row(ledger: Ledger, index: int, nbytes: int) -> None:
+    with ledger._locked() as mm:
+        offset = HEADER_SIZE + index * ROW_SIZE
+        assert struct.unpack_from("<I", mm, offset)[0] == 0
+        struct.pack_into("<Q", mm, offset + 32, nbytes)
+
+
+def test_bytes_in_a_free_row_are_shown_by_listings_as_charges_see_them(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    _put_bytes_in_free_row(ledger, 5, 100 * MiB)  # the whole budget, charged to nobody
+    a = ledger.register("a", "vllm")
+    with caplog.at_level(logging.WARNING, logger="kvcached.ledger"):
+        assert not a.try_charge(MiB)
+    assert any("kvctl repair" in r.getMessage() for r in caplog.records)
+    totals, rows = ledger.snapshot()
+    assert (totals.instances, totals.reserved, totals.unowned) == (1, 100 * MiB, 100 * MiB)
+    assert totals.free == 0  # as the refused charge found
+    assert [r.name for r in rows] == ["a"]
+    assert ledger.unowned_rows() == {5: 100 * MiB}
+
+
+def test_repair_clears_bytes_left_in_free_rows(ledger: Ledger) -> None:
+    a = ledger.register("a", "vllm")
+    assert a.try_charge(MiB)
+    _put_bytes_in_free_row(ledger, 63, 99 * MiB)
+    assert not a.try_charge(MiB)
+    repair = ledger.repair()
+    assert (repair.rows, repair.unowned) == ([63], 99 * MiB)
+    assert ledger.totals().unowned == 0
+    assert a.try_charge(99 * MiB)
+    assert a.reserved == 100 * MiB  # a's own row was left alone
+    assert ledger.repair() == ledger_module.Repair(rows=[], unowned=0)
+
+
+def test_clearing_a_row_writes_its_pid_last_so_a_torn_clear_holds_no_free_bytes(
+    ledger: Ledger,
+) -> None:
+    class Recording(bytearray):
+        writes: list[slice]
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            self.writes.append(key)
+            super().__setitem__(key, value)
+
+    rows = Recording(b"\xff" * (HEADER_SIZE + 3 * ROW_SIZE))
+    rows.writes = []
+    ledger._clear_row(rows, 2)  # type: ignore[arg-type]
+    offset = HEADER_SIZE + 2 * ROW_SIZE
+    assert rows[offset : offset + ROW_SIZE] == bytes(ROW_SIZE)
+    *counters, pid = rows.writes
+    assert (pid.start, pid.stop) == (offset, offset + 4)
+    assert all(w.start >= offset + 4 for w in counters) and counters
+
+
+# ------------------------------------------------------------- every row charges
+def test_every_row_charges_against_the_budget_the_last_one_too(ledger: Ledger) -> None:
+    share = 100 * MiB // ledger.capacity
+    accounts = [ledger.register(f"i{i}", "test") for i in range(ledger.capacity)]
+    assert [a.index for a in accounts] == list(range(ledger.capacity))
+    for account in accounts:
+        assert account.try_charge(share)
+    rest = 100 * MiB - share * ledger.capacity
+    assert accounts[-1].try_charge(rest)  # the last row fills the budget exactly
+    for account in accounts:
+        assert not account.try_charge(1)  # ... and every row sees it full
+    assert ledger.totals().reserved == 100 * MiB
+    accounts[-1].refund(share + rest)
+    assert accounts[0].try_charge(share + rest)
+    assert not accounts[-1].try_charge(1)
+
+
+@pytest.mark.parametrize("index", [0, 1, 31, 62, 63])
+def test_bytes_held_in_any_single_row_bound_every_other_row(ledger: Ledger, index: int) -> None:
+    accounts = [ledger.register(f"i{i}", "test") for i in range(ledger.capacity)]
+    assert accounts[index].try_charge(100 * MiB)
+    assert not any(a.try_charge(1) for a in accounts)
+    assert ledger.totals().reserved == 100 * MiB
+
+
+# ------------------------------------------------------ the budget of an existing ledger
+def test_a_budget_asked_for_an_existing_ledger_is_reported_as_ignored(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcached.ledger"):
+        with Ledger.open("host-cpu", budget=5 * MiB, budget_source="KVCACHED_BUDGET=5MiB"):
+            pass
+        with Ledger.open("host-cpu", budget=100 * MiB, budget_source="KVCACHED_BUDGET=100MiB"):
+            pass  # the same budget: nothing to say
+        with Ledger.open("host-cpu", budget=5 * MiB):
+            pass  # not chosen by the user: nothing to say
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "KVCACHED_BUDGET=5MiB is ignored" in message
+    assert "budget of 0.10 GiB (104857600 bytes)" in message
+    assert "kvctl budget" in message
+    assert ledger.budget == 100 * MiB
+
+
+def test_open_says_whether_it_created_the_ledger(folder: Path) -> None:
+    with Ledger.open("host-cpu", budget=MiB) as first, Ledger.open("host-cpu") as second:
+        assert first.created and not second.created
+
+
+# --------------------------------------------------- where ledgers are, and squatters
+def test_relative_ledger_dir_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
+    with Ledger.open("host-cpu", budget=MiB, directory="rel") as opened:
+        assert opened.path == tmp_path / "rel" / opened.path.name
+        monkeypatch.chdir("/")
+        assert opened.register("a", "test").try_charge(1)
+        assert ledger_module.existing_keys(tmp_path / "rel") == ["host-cpu"]
+
+
+def _private_dir(path: Path, mode: int = 0o700) -> Path:
+    path.mkdir()
+    os.chmod(path, mode)
+    return path
+
+
+def test_default_folder_is_the_users_runtime_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCACHED_LEDGER_DIR", raising=False)
+    monkeypatch.setattr(ledger_module, "_RUN_USER", tmp_path / "no-run-user")
+    runtime = _private_dir(tmp_path / "runtime")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    reload_settings()
+    assert ledger_module.ledger_dir() == runtime
+    assert ledger_path("cuda-0").parent == runtime
+
+
+@pytest.mark.parametrize("problem", ["open to others", "a symlink", "relative", "missing"])
+def test_runtime_directory_others_could_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
+) -> None:
+    monkeypatch.delenv("KVCACHED_LEDGER_DIR", raising=False)
+    run_user = _private_dir(tmp_path / "run-user")
+    fallback = _private_dir(run_user / str(os.geteuid()))
+    if problem == "open to others":
+        runtime = str(_private_dir(tmp_path / "runtime", 0o755))
+    elif problem == "a symlink":
+        (tmp_path / "link").symlink_to(_private_dir(tmp_path / "real"))
+        runtime = str(tmp_path / "link")
+    elif problem == "relative":
+        runtime = "runtime"
+    else:
+        runtime = str(tmp_path / "missing")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+    monkeypatch.setattr(ledger_module, "_RUN_USER", run_user)
+    reload_settings()
+    assert ledger_module.ledger_dir() == fallback  # /run/user/<uid>, owned and private
+    os.chmod(fallback, 0o755)
+    assert ledger_module.ledger_dir() in (Path("/dev/shm"), Path(tempfile.gettempdir()))
+
+
+def test_directory_pre_created_at_the_ledger_path_is_a_clear_error(folder: Path) -> None:
+    ledger_path("host-cpu").mkdir()
+    with pytest.raises(LedgerError, match=r"is a directory.*nothing was changed") as caught:
+        Ledger.open("host-cpu", budget=MiB)
+    assert "KVCACHED_LEDGER_DIR" in str(caught.value)
+    assert ledger_path("host-cpu").is_dir()
+
+
+def test_symlink_pre_created_at_the_ledger_path_names_it_and_the_way_out(
+    folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    target = tmp_path_factory.mktemp("elsewhere") / "victim"
+    target.write_bytes(b"precious")
+    ledger_path("host-cpu").symlink_to(target)
+    with pytest.raises(LedgerError, match=r"symbolic link to .*victim") as caught:
+        Ledger.open("host-cpu", budget=MiB)
+    assert "KVCACHED_LEDGER_DIR" in str(caught.value)
+    assert target.read_bytes() == b"precious"
+
+
+def test_file_pre_created_by_another_user_names_them_and_the_way_out(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = ledger_path("host-cpu")
+    path.write_bytes(b"")  # empty, as a squatter's `touch` leaves it
+    os.chmod(path, 0o600)
+    real_fstat = os.fstat
+
+    def fstat_as_if_foreign(fd: int) -> os.stat_result:
+        info = list(real_fstat(fd))
+        info[stat.ST_UID] = os.geteuid() + 1
+        return os.stat_result(info)
+
+    monkeypatch.setattr(ledger_module.os, "fstat", fstat_as_if_foreign)
+    with pytest.raises(LedgerError, match=f"owned by uid {os.geteuid() + 1}") as caught:
+        Ledger.open("host-cpu", budget=MiB)
+    message = str(caught.value)
+    assert "another user" in message and "KVCACHED_LEDGER_DIR" in message
+    assert path.read_bytes() == b""
