@@ -156,7 +156,7 @@ def demo(
     from pathlib import Path
 
     from kvcached.config import parse_size
-    from kvcached.demo import DemoConfig, run_demo
+    from kvcached.demo import DemoConfig, run_demo, stop_on_sigterm
 
     config = DemoConfig(
         instances=instances,
@@ -170,7 +170,12 @@ def demo(
         f"kvcached demo on backend [bold]{registry.resolve_name(backend)}[/]: "
         f"{instances} x {model}, {budget} shared, {seconds:.0f} s per mode"
     )
-    run_demo(config, out=Path(out))
+    try:
+        with stop_on_sigterm():
+            run_demo(config, out=Path(out))
+    except KeyboardInterrupt:
+        console.print("demo interrupted; workers stopped, temporary ledger removed")
+        raise typer.Exit(code=130) from None
 
 
 def main() -> None:
