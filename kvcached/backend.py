@@ -46,6 +46,9 @@ from typing import Any, ClassVar
 from kvcached.errors import InvalidArgument, OutOfMemory
 from kvcached.lifetime import Closeable
 
+#: No size or offset handed to a driver is larger (every 64-bit API takes it).
+MAX_BYTES = (1 << 63) - 1
+
 MappingRequest = tuple[int, "Page"]
 UnmapRequest = tuple[int, int]
 
@@ -546,6 +549,10 @@ class Backend(Closeable, ABC):
             raise InvalidArgument(
                 f"{what} {nbytes} is not a positive multiple of the {self.name} "
                 f"granularity ({g} bytes)"
+            )
+        if nbytes > MAX_BYTES:  # before a driver binding truncates or overflows it
+            raise InvalidArgument(
+                f"{what} {nbytes} is larger than any address space (at most 2**63 bytes)"
             )
 
     def _check_reservation(self, reservation: Reservation) -> None:
