@@ -53,12 +53,6 @@ from kvcached.errors import InvalidArgument, OutOfMemory
 MiB = 1 << 20
 
 
-def _no_core_dumps() -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def _covered_by_process_maps(address: int, nbytes: int) -> bool:
     """Whether /proc/self/maps (Linux) covers every byte of [address, address + nbytes)."""
     try:
@@ -117,12 +111,10 @@ class ConformanceSuite:
         expected to fault."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # set in the child itself: a preexec_fn is unsafe in a parent with threads
+        no_core = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
         return subprocess.Popen(
-            [sys.executable, "-c", script],
-            env=env,
-            text=True,
-            preexec_fn=_no_core_dumps,
-            **options,
+            [sys.executable, "-c", no_core + script], env=env, text=True, **options
         )
 
     # ---------------------------------------------------------- data hooks
