@@ -154,7 +154,8 @@ def _settings_class() -> type[BaseSettings]:
         extent_size: str = Field(
             default="32MiB",
             description="Physical page size the allocator grows by, per layer buffer (K or "
-            "V); rounded down to whole page ids. Larger: cheaper growth, coarser release.",
+            "V), 4 KiB to 1 TiB; rounded down to whole page ids (at least one). Larger: "
+            "cheaper growth, coarser release.",
         )
         pool_low: str = Field(
             default="256MiB",
@@ -171,7 +172,8 @@ def _settings_class() -> type[BaseSettings]:
             le=MAX_RELEASE_DELAY_S,
             allow_inf_nan=False,
             description="Seconds the unused KV bytes must stay above pool_high before "
-            "the allocator gives extents back (damps grow/release cycles).",
+            "the allocator gives extents back (damps grow/release cycles); finite, at "
+            "most a day.",
         )
         budget: str | None = Field(
             default=None,
@@ -190,7 +192,8 @@ def _settings_class() -> type[BaseSettings]:
         )
         metrics_addr: str = Field(
             default="127.0.0.1",
-            description="Address the metrics endpoint binds to (default: loopback only).",
+            description="Address the metrics endpoint binds to: an IP address or a host "
+            "name, no port (default: loopback only).",
         )
 
         @field_validator("ledger_dir")
