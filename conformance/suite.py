@@ -16,10 +16,23 @@ subclass `ConformanceSuite` in a test file and override the `backend_factory` fi
             return MyBackend          # called as MyBackend(memory_limit=...) too
 
 Data checks go through the backend's views and torch (`fill` and `read` are the two
-hooks to override for a framework other than torch). Memory checks go through
-`mem_info()`, which must report device-wide physical memory: free memory is compared
-before and after, with a tolerance (`mem_tolerance`) for what other processes do
-meanwhile, using allocations several times larger than that tolerance.
+hooks to override for a framework other than torch); the two checks that need a
+process of their own (a fault is their expected outcome, or the process exits) start
+`python -c` with the parent's `sys.path` and the backend's class, built with no
+arguments.
+
+Memory checks measure what the backend itself holds, so they stay trustworthy on a
+machine where other processes allocate meanwhile: `Backend.held_bytes()` when the
+backend can tell (the host counts its arena file's allocated blocks, exact to a
+granule), else device-wide `total - free` from `mem_info()` (CUDA: `cuMemGetInfo`),
+compared before and after with a tolerance (`mem_tolerance`) for other processes,
+using allocations several times larger than that tolerance. Device-wide is also what
+catches a driver that keeps memory the backend thinks it released (ROCm).
+
+Address-space checks: after an unmap the range must stay reserved (where reservations
+show in `/proc/self/maps`, it is still covered there; and new reservations never land
+inside it) and inaccessible (a read in a child process must fault); two live pages
+never share bytes; and a range re-mapped after an unmap shows the new page's bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +51,24 @@ from kvcached.backend import Backend
 from kvcached.errors import InvalidArgument, OutOfMemory
 
 MiB = 1 << 20
+
+
+def _covered_by_process_maps(address: int, nbytes: int) -> bool:
+    """Whether /proc/self/maps (Linux) covers every byte of [address, address + nbytes)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            spans = [
+                tuple(int(x, 16) for x in line.split(maxsplit=1)[0].split("-")) for line in maps
+            ]
+    except OSError:
+        return False
+    cursor, end = address, address + nbytes
+    for start, stop in sorted(spans):
+        if start <= cursor < stop:
+            cursor = stop
+            if cursor >= end:
+                return True
+    return False
 
 
 class ConformanceSuite:
@@ -59,8 +90,32 @@ class ConformanceSuite:
         return backend.granularity
 
     def mem_tolerance(self, backend: Backend) -> int:
-        """Drift allowed in free memory between two samples (other processes, caches)."""
+        """Drift allowed between two samples of `memory_in_use`: one granule when the
+        backend counts its own memory, else room for other processes and caches."""
+        if backend.held_bytes() is not None:
+            return backend.granularity
         return max(8 * backend.granularity, 32 * MiB)
+
+    def memory_in_use(self, backend: Backend) -> int:
+        """Physical bytes in use as far as `backend` can be measured: its own holding
+        (`Backend.held_bytes`) when it can tell, else device-wide `total - free`."""
+        held = backend.held_bytes()
+        if held is not None:
+            return held
+        free, total = backend.mem_info()
+        return total - free
+
+    def child_process(self, script: str, **options: Any) -> subprocess.Popen[str]:
+        """`python -c script` that can import what this process imports (a backend
+        defined in a test file included), with core dumps off: some children are
+        expected to fault."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # set in the child itself: a preexec_fn is unsafe in a parent with threads
+        no_core = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+        return subprocess.Popen(
+            [sys.executable, "-c", no_core + script], env=env, text=True, **options
+        )
 
     # ---------------------------------------------------------- data hooks
     def fill(
@@ -120,6 +175,7 @@ class ConformanceSuite:
         "float": lambda g: float(g),
         "bool": lambda g: True,
         "None": lambda g: None,
+        "past 2**64": lambda g: (1 << 64) + g,  # a driver binding would truncate it
     }
 
     @pytest.mark.parametrize("bad", list(BAD_SIZES))
@@ -373,40 +429,41 @@ class ConformanceSuite:
 
     # =============================================================== memory
     def test_reserving_costs_no_physical_memory(self, backend: Backend, g: int) -> None:
-        free_before, total = backend.mem_info()
+        used_before = self.memory_in_use(backend)
+        total = backend.mem_info()[1]
         size = max(64 << 30, total // g * g)  # far more than could ever be backed
         size = min(size, 1 << 40)
         with backend.reserve(size // g * g):
-            free_during, _ = backend.mem_info()
-        assert free_before - free_during <= self.mem_tolerance(backend)
+            used_during = self.memory_in_use(backend)
+        assert used_during - used_before <= self.mem_tolerance(backend)
 
     def test_creating_pages_consumes_physical_memory(self, backend: Backend, g: int) -> None:
         n = self.accounting_pages
-        free_before, _ = backend.mem_info()
+        used_before = self.memory_in_use(backend)
         pages = [backend.create(g) for _ in range(n)]
-        free_during, _ = backend.mem_info()
+        used_during = self.memory_in_use(backend)
         for p in pages:
             backend.release(p)
-        free_after, _ = backend.mem_info()
-        assert free_before - free_during >= n * g - self.mem_tolerance(backend)
-        assert abs(free_before - free_after) <= self.mem_tolerance(backend)
+        used_after = self.memory_in_use(backend)
+        assert used_during - used_before >= n * g - self.mem_tolerance(backend)
+        assert abs(used_after - used_before) <= self.mem_tolerance(backend)
 
     def test_unmap_and_release_return_the_memory(self, backend: Backend, g: int) -> None:
         n = self.accounting_pages
-        free_before, _ = backend.mem_info()
+        used_before = self.memory_in_use(backend)
         r = backend.reserve(n * g)
         pages = [backend.create(g) for _ in range(n)]
         backend.map_many(r, [(i * g, p) for i, p in enumerate(pages)])
         self.fill(backend, r, 0, n * g, 1)
         self.synchronize(backend)
-        free_mapped, _ = backend.mem_info()
+        used_mapped = self.memory_in_use(backend)
         backend.unmap(r, 0, n * g)
         for p in pages:
             backend.release(p)
         backend.free(r)
-        free_after, _ = backend.mem_info()
-        assert free_before - free_mapped >= n * g - self.mem_tolerance(backend)
-        assert abs(free_before - free_after) <= self.mem_tolerance(backend)
+        used_after = self.memory_in_use(backend)
+        assert used_mapped - used_before >= n * g - self.mem_tolerance(backend)
+        assert abs(used_after - used_before) <= self.mem_tolerance(backend)
         assert backend.live_counts == (0, 0) and backend.created_bytes == 0
 
     def test_release_returns_memory_while_the_range_stays_reserved(
@@ -419,17 +476,17 @@ class ConformanceSuite:
         with backend.reserve((n + 1) * g) as r, backend.create(g) as keep:
             backend.map(r, n * g, keep)  # a live neighbour for the whole test
             self.fill(backend, r, n * g, g, 5)
-            free_before, _ = backend.mem_info()
+            used_before = self.memory_in_use(backend)
             pages = [backend.create(g) for _ in range(n)]
             backend.map_many(r, [(i * g, p) for i, p in enumerate(pages)])
             self.fill(backend, r, 0, n * g, 1)
-            free_mapped, _ = backend.mem_info()
+            used_mapped = self.memory_in_use(backend)
             backend.unmap_many(r, [(i * g, g) for i in range(n)])
             for p in pages:
                 backend.release(p)
-            free_after, _ = backend.mem_info()
-            assert free_before - free_mapped >= n * g - self.mem_tolerance(backend)
-            assert abs(free_before - free_after) <= self.mem_tolerance(backend)
+            used_after = self.memory_in_use(backend)
+            assert used_mapped - used_before >= n * g - self.mem_tolerance(backend)
+            assert abs(used_after - used_before) <= self.mem_tolerance(backend)
             assert self.read(backend, r, n * g, g) == {5}
             backend.unmap(r, n * g, g)
 
@@ -463,7 +520,8 @@ class ConformanceSuite:
     def test_device_exhaustion_raises_out_of_memory(self, exhaustible_backend: Backend) -> None:
         backend = exhaustible_backend
         g = backend.granularity
-        free, total = backend.mem_info()
+        used_before = self.memory_in_use(backend)
+        total = backend.mem_info()[1]
         chunk = max(g, (total // 32) // g * g)
         pages = []
         try:
@@ -479,11 +537,10 @@ class ConformanceSuite:
             self.fill(backend, r, 0, g, 12)
             assert self.read(backend, r, 0, g) == {12}
             backend.unmap(r, 0, g)
-        free_after, _ = backend.mem_info()
-        assert free - free_after <= self.mem_tolerance(backend)
+        assert self.memory_in_use(backend) - used_before <= self.mem_tolerance(backend)
 
     def test_closing_objects_returns_everything(self, backend: Backend, g: int) -> None:
-        free_before, _ = backend.mem_info()
+        used_before = self.memory_in_use(backend)
         n = self.accounting_pages
         with backend.reserve(n * g) as r:
             with backend.create(n * g) as p:
@@ -492,35 +549,39 @@ class ConformanceSuite:
                 backend.unmap(r, 0, n * g)
             assert p.closed
         assert r.closed and backend.live_counts == (0, 0)
-        free_after, _ = backend.mem_info()
-        assert abs(free_before - free_after) <= self.mem_tolerance(backend)
+        assert abs(self.memory_in_use(backend) - used_before) <= self.mem_tolerance(backend)
 
     def test_backend_close_returns_everything(
         self, backend_factory: Callable[..., Backend]
     ) -> None:
-        observer = backend_factory()  # a second instance watches the device memory
+        observer = backend_factory()  # watches device-wide memory, when it must
         instance = backend_factory()
+        # a backend that counts its own memory is measured itself (0 once closed)
+        watched = instance if instance.held_bytes() is not None else observer
         g = instance.granularity
         n = self.accounting_pages
-        free_before, _ = observer.mem_info()
+        used_before = self.memory_in_use(watched)
         r = instance.reserve(n * g)
         pages = [instance.create(g) for _ in range(n)]
         instance.map_many(r, [(i * g, p) for i, p in enumerate(pages[: n // 2])])
         self.fill(instance, r, 0, n // 2 * g, 1)
         self.synchronize(instance)
         try:
-            free_held, _ = observer.mem_info()
-            assert free_before - free_held >= n * g - self.mem_tolerance(observer)
+            tolerance = self.mem_tolerance(watched)
+            assert self.memory_in_use(watched) - used_before >= n * g - tolerance
             instance.close()
             assert r.closed and all(p.closed for p in pages)
-            free_after, _ = observer.mem_info()
-            assert abs(free_before - free_after) <= self.mem_tolerance(observer)
+            assert abs(self.memory_in_use(watched) - used_before) <= tolerance
             with pytest.raises(InvalidArgument):
                 instance.reserve(g)
         finally:
             observer.close()
 
     def test_process_exit_returns_everything(self, backend: Backend, g: int) -> None:
+        """A process that exits holding pages gives them back. Device-wide this is
+        measured across the exit; a backend that counts its own memory (the host's
+        arena file, which the kernel drops with the process) reports what the child
+        held, so the check cannot pass by the child holding nothing."""
         cls = type(backend)
         n = self.accounting_pages
         child = textwrap.dedent(
@@ -532,31 +593,139 @@ class ConformanceSuite:
             r = b.reserve({n} * g)
             pages = [b.create(g) for _ in range({n})]
             b.map_many(r, [(i * g, p) for i, p in enumerate(pages)])
-            print("ready", flush=True)
+            print("ready", b.held_bytes(), flush=True)
             sys.stdin.readline()  # exit without closing anything
             """
         )
-        free_before, _ = backend.mem_info()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", child],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ),
-        )
+        device_wide = backend.held_bytes() is None
+        used_before = self.memory_in_use(backend)
+        proc = self.child_process(child, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
             assert proc.stdout is not None and proc.stdin is not None
-            assert proc.stdout.readline().strip() == "ready"
-            free_child, _ = backend.mem_info()
+            ready, child_held = proc.stdout.readline().split()
+            assert ready == "ready"
+            used_child = self.memory_in_use(backend)
             proc.stdin.write("\n")
             proc.stdin.flush()
             assert proc.wait(timeout=60) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
-        free_after, _ = backend.mem_info()
-        assert free_before - free_child >= n * g - self.mem_tolerance(backend)
-        assert abs(free_before - free_after) <= self.mem_tolerance(backend)
+        used_after = self.memory_in_use(backend)
+        if device_wide:
+            assert used_child - used_before >= n * g - self.mem_tolerance(backend)
+        else:
+            assert int(child_held) >= n * g
+        assert abs(used_after - used_before) <= self.mem_tolerance(backend)
+
+    # ======================================================== address space
+    def test_unmapped_range_faults_on_access(self, backend: Backend) -> None:
+        """After unmap the range must be inaccessible: a read through a view taken
+        before the unmap faults (SIGSEGV on the host, an illegal-address error in a
+        fresh CUDA context) instead of returning the old bytes. Checked in a child
+        process, since the fault is the expected outcome."""
+        cls = type(backend)
+        child = textwrap.dedent(
+            f"""
+            from {cls.__module__} import {cls.__qualname__} as Cls
+            b = Cls()
+            g = b.granularity
+            r = b.reserve(2 * g)
+            page = b.create(g)
+            b.map(r, 0, page)
+            view = b.view(r, 0, (g,), "uint8")
+            view.fill_(7)
+            b.synchronize()
+            b.unmap(r, 0, g)
+            print("unmapped", flush=True)
+            total = int(view.sum().item())  # must fault
+            b.synchronize()
+            print("read", total, flush=True)
+            """
+        )
+        proc = self.child_process(child, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=120)
+        lines = out.split()
+        assert "unmapped" in lines, f"the child failed before the check: {err[-2000:]}"
+        assert "read" not in lines, (
+            f"a view of an unmapped range was still readable (read {out.split()[-1]}): "
+            "unmap must make the range inaccessible"
+        )
+
+    def test_unmapped_range_stays_reserved(self, backend: Backend, g: int) -> None:
+        """Unmapping must leave the range reserved: no new reservation (or anything
+        else the process maps) may land inside a reservation that is still alive."""
+        with backend.reserve(16 * g) as r, backend.create(8 * g) as page:
+            visible = _covered_by_process_maps(r.address, r.nbytes)
+            backend.map(r, 4 * g, page)
+            self.fill(backend, r, 4 * g, 8 * g, 3)
+            backend.unmap(r, 4 * g, 8 * g)
+            if visible:  # this backend's reservations show in /proc/self/maps
+                assert _covered_by_process_maps(r.address, r.nbytes), (
+                    "unmap gave part of a live reservation back to the address space"
+                )
+            others: list[Any] = []
+            try:
+                for size in (7, 8, 4, 2, 1) * 4:
+                    others.append(backend.reserve(size * g))
+                for other in others:
+                    assert (
+                        other.address + other.nbytes <= r.address
+                        or r.address + r.nbytes <= other.address
+                    ), f"{other!r} landed inside {r!r}, which is still reserved"
+            finally:
+                for other in others:
+                    other.close()
+
+    def test_live_pages_never_alias(self, backend: Backend, g: int) -> None:
+        """Every live page has bytes of its own, whatever the mix of sizes and however
+        often freed memory is reused: each reads back its own pattern."""
+        sizes = [1, 2, 1, 4, 1, 2, 3, 1]
+        with backend.reserve(2 * sum(sizes) * g) as r:
+            pages = [backend.create(s * g) for s in sizes]
+            for page in pages[1::3]:  # free some, so later pages may reuse their memory
+                backend.release(page)
+            pages = [p for p in pages if not p.closed] + [backend.create(s * g) for s in (2, 1)]
+            offsets, cursor = [], 0
+            for page in pages:
+                offsets.append(cursor)
+                backend.map(r, cursor, page)
+                cursor += page.nbytes + g  # a hole between neighbours
+            for i, (offset, page) in enumerate(zip(offsets, pages, strict=True)):
+                self.fill(backend, r, offset, page.nbytes, 0x10 + i)
+            seen = [
+                self.read(backend, r, offset, page.nbytes)
+                for offset, page in zip(offsets, pages, strict=True)
+            ]
+            for offset, page in zip(offsets, pages, strict=True):
+                backend.unmap(r, offset, page.nbytes)
+                backend.release(page)
+        expected = [{0x10 + i} for i in range(len(pages))]
+        assert seen == expected, "two live pages share memory (one's writes show in another)"
+
+    def test_remap_after_unmap_shows_the_new_pages_bytes(self, backend: Backend, g: int) -> None:
+        """Mapping page b where page a was mapped shows b's bytes, not a's."""
+        with (
+            backend.reserve(2 * g) as r,
+            backend.reserve(g) as side,
+            backend.create(g) as a,
+            backend.create(g) as b,
+        ):
+            backend.map(side, 0, b)
+            self.fill(backend, side, 0, g, 0xB2)
+            backend.unmap(side, 0, g)
+            backend.map(r, 0, a)
+            self.fill(backend, r, 0, g, 0xA1)
+            backend.unmap(r, 0, g)
+            backend.map(r, 0, b)
+            self.synchronize(backend)
+            shown = self.read(backend, r, 0, g)
+            backend.unmap(r, 0, g)
+            backend.map(r, g, a)
+            kept = self.read(backend, r, g, g)
+            backend.unmap(r, g, g)
+        assert shown == {0xB2}, f"the range re-mapped to page b shows {shown}, not b's bytes"
+        assert kept == {0xA1}
 
     # =========================================================== concurrency
     def test_concurrent_map_unmap_from_threads(self, backend: Backend, g: int) -> None:

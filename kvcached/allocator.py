@@ -87,8 +87,10 @@ from __future__ import annotations
 import heapq
 import logging
 import operator
+import os
 import threading
 import time
+import weakref
 from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -96,6 +98,7 @@ from typing import Any
 
 from kvcached.accounting import BudgetAccount
 from kvcached.backend import Page, Reservation
+from kvcached.config import check_extent_bytes, check_release_delay
 from kvcached.errors import InvalidArgument, OutOfMemory
 from kvcached.layout import KVGroup
 from kvcached.lifetime import Closeable
@@ -141,6 +144,24 @@ def _pool_settings() -> tuple[int, int, int, float]:
         size(config.pool_high, "KVCACHED_POOL_HIGH"),
         float(config.pool_release_delay),
     )
+
+
+#: Every allocator alive in this process, so that a forked child can disown them.
+_live_allocators: weakref.WeakSet[PageAllocator] = weakref.WeakSet()
+_pid_before_fork = os.getpid()
+
+
+def _remember_pid() -> None:
+    global _pid_before_fork
+    _pid_before_fork = os.getpid()
+
+
+def _disown_allocators_in_child() -> None:
+    for allocator in list(_live_allocators):
+        allocator._disown_after_fork(_pid_before_fork)
+
+
+os.register_at_fork(before=_remember_pid, after_in_child=_disown_allocators_in_child)
 
 
 # --------------------------------------------------------------------------- accounts
@@ -308,18 +329,30 @@ class PageAllocator(Closeable):
             raise InvalidArgument(f"{type(account).__name__} does not implement BudgetAccount")
         if not isinstance(poll_interval, (int, float)) or poll_interval <= 0:
             raise InvalidArgument(f"poll_interval must be positive seconds, got {poll_interval!r}")
+        # each value is named as the caller gave it: an argument, or its KVCACHED_* variable
+        names = {
+            "extent": "extent_bytes" if extent_bytes is not None else "KVCACHED_EXTENT_SIZE",
+            "low": "pool_low" if pool_low is not None else "KVCACHED_POOL_LOW",
+            "high": "pool_high" if pool_high is not None else "KVCACHED_POOL_HIGH",
+            "delay": "release_delay"
+            if release_delay is not None
+            else "KVCACHED_POOL_RELEASE_DELAY",
+        }
         if None in (extent_bytes, pool_low, pool_high, release_delay):
             d_extent, d_low, d_high, d_delay = _pool_settings()
             extent_bytes = d_extent if extent_bytes is None else extent_bytes
             pool_low = d_low if pool_low is None else pool_low
             pool_high = d_high if pool_high is None else pool_high
             release_delay = d_delay if release_delay is None else release_delay
-        extent = _bytes("extent_bytes", extent_bytes)
-        low, high = _bytes("pool_low", pool_low), _bytes("pool_high", pool_high)
+        # below one page it is one page; 0, 1 byte or 1 EiB are mistakes, not sizes
+        extent = check_extent_bytes(_bytes(names["extent"], extent_bytes), what=names["extent"])
+        low, high = _bytes(names["low"], pool_low), _bytes(names["high"], pool_high)
         if high < low:
-            raise InvalidArgument(f"pool_high ({high}) is below pool_low ({low})")
-        if not isinstance(release_delay, (int, float)) or release_delay < 0:
-            raise InvalidArgument(f"release_delay must be seconds >= 0, got {release_delay!r}")
+            raise InvalidArgument(
+                f"{names['high']} ({high} bytes) is below {names['low']} ({low} bytes); "
+                "accepted: a high watermark at or above the low one"
+            )
+        release_delay = check_release_delay(release_delay, what=names["delay"])
 
         self.group = group
         self.backend = group.segments[0].reservation.backend
@@ -361,6 +394,7 @@ class PageAllocator(Closeable):
         self._refill_failed_at = -float("inf")
         self._reported_used = -1
         self._closed = False
+        self._forked_from: int | None = None  # the parent's pid, in a forked child
         self.last_error: BaseException | None = None  # last failure of the background thread
 
         self._wake = threading.Event()
@@ -368,12 +402,31 @@ class PageAllocator(Closeable):
         self._release_delay = float(release_delay)
         self._over_high_since: float | None = None  # when the pool went above pool_high
         self._thread: threading.Thread | None = None
+        _live_allocators.add(self)
         if background:
             self._thread = threading.Thread(
                 target=self._run, name=f"kvcached-pool-{group.name}", daemon=True
             )
             self._thread.start()
             self._wake.set()
+
+    def _disown_after_fork(self, parent: int) -> None:
+        """In a forked child: refuse every use from now on, and give nothing back.
+
+        The child's copy still points at the parent's pages (the host's are shared
+        memory) and its blocks; handing any of them out, or releasing them, would
+        corrupt the parent's cache. Its locks may have been held by a thread that does
+        not exist in the child, so they are replaced before anything can wait on them."""
+        self._forked_from = parent
+        self._closed = True
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._thread = None
+        self._current = -1
+        self._current_list = _UNMAPPED
+        self._available = 0
+        self._used = set()  # so that every free takes the path that raises
 
     # =================================================================== fast path
     def alloc_one(self) -> int | None:
@@ -431,6 +484,8 @@ class PageAllocator(Closeable):
             try:
                 self._used.remove(block)
             except KeyError:
+                if self._forked_from is not None:
+                    raise InvalidArgument(self._closed_message()) from None
                 if self._closed:
                     return
                 raise InvalidArgument(f"block {block} is not allocated (double free?)") from None
@@ -485,6 +540,8 @@ class PageAllocator(Closeable):
         """Under the lock: `free` was given an id that is not allocated, or one twice.
         Put back in the used set those of `ordered` that were allocated (their pages'
         free lists are untouched so far), then raise. After `close` it does nothing."""
+        if self._forked_from is not None:
+            raise InvalidArgument(self._closed_message())
         if self._closed:
             return
         bpp, num_pages = self._bpp, self.group.num_pages
@@ -623,7 +680,7 @@ class PageAllocator(Closeable):
             with self._lock:
                 while True:
                     if self._closed:
-                        raise InvalidArgument("this allocator was closed")
+                        raise InvalidArgument(self._closed_message())
                     if n <= self._available:
                         blocks = self._take(n)
                         if len(self._empty) < self._low_pages:
@@ -1176,7 +1233,16 @@ class PageAllocator(Closeable):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgument("this allocator was closed")
+            raise InvalidArgument(self._closed_message())
+
+    def _closed_message(self) -> str:
+        if self._forked_from is not None:
+            return (
+                f"this allocator belongs to process {self._forked_from}; a forked child "
+                "cannot use it (its blocks and pages are the parent's): create a new "
+                "KVCache or PageAllocator in the child"
+            )
+        return "this allocator was closed"
 
     # ==================================================================== lifetime
     def close(self) -> None:

@@ -10,10 +10,18 @@ platform, so the conformance suite can hold each backend to one contract:
   mapping must lie inside its reservation and must not overlap another mapping, an
   unmap must cover whole mappings, and objects of another backend are refused. Every
   violation is an `InvalidArgument` raised *before* any driver call, so nothing is lost.
-* Lifetime. `Reservation` and `Page` are objects with `close()` and context managers.
-  A page that is still mapped cannot be released, a reservation that still has mappings
-  cannot be freed (drivers differ here: CUDA defers such a release, ROCm leaks it), and
-  `Backend.close()` unmaps, releases and frees everything still alive.
+* Lifetime. `Reservation` and `Page` are objects with `close()` (idempotent) and context
+  managers. A page that is still mapped cannot be released, a reservation that still
+  has mappings cannot be freed (drivers differ here: CUDA defers such a release, ROCm
+  leaks it), and `Backend.close()` unmaps, releases and frees everything still alive.
+  What a view taken before `free` or `close` sees afterwards differs per backend; see
+  docs/backends/stale-views.md.
+* fork(). A forked child inherits the parent's backend objects but not the right to
+  use them: on the host both processes would share one memory file (a page the child
+  releases is a hole punched into the parent's KV cache), and a CUDA context does not
+  survive a fork at all. In the child every backend that existed before the fork is
+  marked closed, with its reservations and pages, so that any use is an
+  `InvalidArgument` saying so and `close()` touches nothing the parent owns.
 * Batching. `map_many` / `unmap_many` validate the whole batch first, then hand it to
   the backend in one call so a driver can amortize work (one set-access over a
   contiguous run, for example). A batch that fails part-way is rolled back.
@@ -27,13 +35,19 @@ short backend-wide lock that is never held across a driver call.
 from __future__ import annotations
 
 import itertools
+import operator
+import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from kvcached.errors import InvalidArgument, OutOfMemory
 from kvcached.lifetime import Closeable
+
+#: No size or offset handed to a driver is larger (every 64-bit API takes it).
+MAX_BYTES = (1 << 63) - 1
 
 MappingRequest = tuple[int, "Page"]
 UnmapRequest = tuple[int, int]
@@ -76,7 +90,9 @@ class Reservation(Closeable):
             return self._occupied.find(0, first, last) == -1
 
     def close(self) -> None:
-        self.backend.free(self)
+        """Free the reservation (see `Backend.free`). Idempotent."""
+        if not self._closed:
+            self.backend.free(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._mappings)} mappings"
@@ -109,7 +125,9 @@ class Page(Closeable):
         return len(self._mapped_in)
 
     def close(self) -> None:
-        self.backend.release(self)
+        """Release the page (see `Backend.release`). Idempotent."""
+        if not self._closed:
+            self.backend.release(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"mapped {len(self._mapped_in)}x"
@@ -133,6 +151,19 @@ class Backend(Closeable, ABC):
         self._reservations: set[Reservation] = set()
         self._pages: set[Page] = set()
         self._closed = False
+        self._forked_from: int | None = None  # the parent's pid, in a forked child
+        _live_backends.add(self)
+
+    def _disown_after_fork(self, parent: int) -> None:
+        """In a forked child: nothing of this instance is the child's to use or give back."""
+        self._forked_from = parent
+        self._closed = True
+        self._state_lock = threading.Lock()  # another thread may have held it at the fork
+        for reservation in self._reservations:
+            reservation._closed = True
+            reservation._lock = threading.Lock()
+        for page in self._pages:
+            page._closed = True
 
     # ----------------------------------------------------------------- detection
     @classmethod
@@ -238,10 +269,22 @@ class Backend(Closeable, ABC):
         cuMemUnmap), so whoever unmaps memory that kernels used calls this first."""
 
     def reserve(self, nbytes: int) -> Reservation:
-        """Reserve a virtual range of `nbytes` (a multiple of granularity)."""
+        """Reserve a virtual range of `nbytes` (a multiple of granularity). A size the
+        address space (or the bookkeeping of its granules) cannot hold is OutOfMemory."""
         self._check_open()
         self._check_size("reservation size", nbytes)
-        reservation = Reservation(self, self._reserve(nbytes), nbytes)
+        try:
+            address = self._reserve(nbytes)
+        except MemoryError:
+            raise OutOfMemory(f"cannot reserve {nbytes} bytes of address space") from None
+        try:
+            reservation = Reservation(self, address, nbytes)
+        except MemoryError:
+            self._free(address, nbytes)
+            raise OutOfMemory(
+                f"a reservation of {nbytes} bytes needs {nbytes // self._g} granules of "
+                "bookkeeping, more than this process can allocate"
+            ) from None
         with self._state_lock:
             self._reservations.add(reservation)
         return reservation
@@ -434,9 +477,10 @@ class Backend(Closeable, ABC):
         reservation once and map pages under it as blocks are used. Touching unmapped
         bytes is the caller's bug (a device fault on GPUs, SIGSEGV on host)."""
         self._check_reservation(reservation)
-        dims = tuple(int(d) for d in shape)
+        dims = _int_tuple("view shape", shape)
         if any(d < 0 for d in dims):
             raise InvalidArgument(f"view shape {dims} has a negative dimension")
+        (offset,) = _int_tuple("view offset", (offset,))
         itemsize = dtype_itemsize(dtype)
         count = 1
         for d in dims:
@@ -471,6 +515,12 @@ class Backend(Closeable, ABC):
         self._closed = True
         self._close_device()
 
+    def held_bytes(self) -> int | None:
+        """Physical bytes this instance holds as the driver or kernel counts them (not
+        as kvcached's own bookkeeping does), or None when the backend cannot tell; the
+        conformance suite then measures device-wide free memory instead."""
+        return None
+
     @property
     def live_counts(self) -> tuple[int, int]:
         """(reservations, pages) not yet closed; what `close()` would clean up."""
@@ -480,7 +530,16 @@ class Backend(Closeable, ABC):
     # ------------------------------------------------------------- checks
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgument(f"the {self.name} backend was closed")
+            raise InvalidArgument(self._closed_message())
+
+    def _closed_message(self) -> str:
+        if self._forked_from is not None:
+            return (
+                f"this {self.name} backend belongs to process {self._forked_from}; a forked "
+                "child cannot use it (create a new backend, or kvcached.get_backend(), "
+                "in the child)"
+            )
+        return f"the {self.name} backend was closed"
 
     def _check_size(self, what: str, nbytes: int) -> None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
@@ -491,17 +550,25 @@ class Backend(Closeable, ABC):
                 f"{what} {nbytes} is not a positive multiple of the {self.name} "
                 f"granularity ({g} bytes)"
             )
+        if nbytes > MAX_BYTES:  # before a driver binding truncates or overflows it
+            raise InvalidArgument(
+                f"{what} {nbytes} is larger than any address space (at most 2**63 bytes)"
+            )
 
     def _check_reservation(self, reservation: Reservation) -> None:
         if not isinstance(reservation, Reservation) or reservation.backend is not self:
             raise InvalidArgument(f"expected a Reservation of this {self.name} backend")
         if reservation._closed:
+            if self._forked_from is not None:
+                raise InvalidArgument(self._closed_message())
             raise InvalidArgument(f"{reservation!r} was freed")
 
     def _check_page(self, page: Page) -> None:
         if not isinstance(page, Page) or page.backend is not self:
             raise InvalidArgument(f"expected a Page of this {self.name} backend")
         if page._closed:
+            if self._forked_from is not None:
+                raise InvalidArgument(self._closed_message())
             raise InvalidArgument(f"{page!r} was already released")
 
     def _map_error(self, reservation: Reservation, offset: int, page: Page) -> InvalidArgument:
@@ -569,6 +636,39 @@ class Backend(Closeable, ABC):
                 f"that runs to {cursor} (unmap whole mappings)"
             )
         return covered
+
+
+def _int_tuple(what: str, values: Iterable[Any]) -> tuple[int, ...]:
+    """`values` as ints; a float such as 2.5 (or 2.0) is refused, never truncated."""
+    out: list[int] = []
+    for value in values:
+        if isinstance(value, bool):
+            raise InvalidArgument(f"{what} must be made of ints, got {value!r}")
+        try:
+            out.append(operator.index(value))
+        except TypeError:
+            raise InvalidArgument(
+                f"{what} must be made of ints (numpy integers welcome), got {value!r}"
+            ) from None
+    return tuple(out)
+
+
+#: Every backend instance alive in this process, so a forked child can disown them.
+_live_backends: weakref.WeakSet[Backend] = weakref.WeakSet()
+_pid_before_fork = os.getpid()
+
+
+def _remember_pid() -> None:
+    global _pid_before_fork
+    _pid_before_fork = os.getpid()
+
+
+def _disown_backends_in_child() -> None:
+    for backend in list(_live_backends):
+        backend._disown_after_fork(_pid_before_fork)
+
+
+os.register_at_fork(before=_remember_pid, after_in_child=_disown_backends_in_child)
 
 
 _ITEMSIZE = {

@@ -14,10 +14,21 @@ The ledger's budget is fixed by whoever creates it: `budget=` here, else
 KVCACHED_BUDGET (a size, or a percentage of the device's memory), else all of the
 device's memory; `kvctl budget` changes it later. Once the ledger exists, a budget
 asked for here is ignored, with a warning that names the ledger's budget.
+
+With KVCACHED_METRICS_PORT set, the first `KVCache` of a process starts the
+Prometheus endpoint (`kvcached.metrics.start_from_settings`); it serves every ledger
+of this user until the process exits, and a process that finds the port taken
+leaves it to whoever holds it.
+
+A constructor that fails part-way closes what it built (allocators and their pool
+threads, reservations, the ledger row), and a forked child cannot use the parent's
+caches: every method but `close` raises, and `close` gives nothing back (the pages
+and the ledger row are the parent's).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -37,7 +48,11 @@ def open_device_ledger(backend: Backend, budget: int | str | None = None) -> Led
     total = backend.mem_info()[1]
     requested = budget if budget is not None else settings().budget
     device_budget = (
-        total if requested is None else parse_size(requested, total=total, what="budget")
+        total
+        if requested is None
+        else parse_size(
+            requested, total=total, what="budget" if budget is not None else "KVCACHED_BUDGET"
+        )
     )
     if budget is not None:
         source: str | None = f"KVCache(budget={budget!r})"
@@ -112,9 +127,11 @@ class KVCache(Closeable):
     ) -> None:
         from kvcached.registry import get_backend
 
+        self._pid = os.getpid()
+        self._closed = False
+        self.allocators: list[PageAllocator] = []
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
         self.ledger = open_device_ledger(self.backend, budget)
-        self._closed = False
         try:
             self.account = self.ledger.register(name, engine, limit)
             try:
@@ -126,24 +143,29 @@ class KVCache(Closeable):
                     self.layout = KVLayout(
                         self.backend, layers, block_size=block_size, max_tokens=max_tokens
                     )
-                used = [0] * len(self.layout.groups)
-                lock = threading.Lock()
-                self.allocators = [
-                    PageAllocator(
-                        group,
-                        account=_GroupAccount(self.account, used, i, lock),
-                        **allocator_options,
-                    )
-                    for i, group in enumerate(self.layout.groups)
-                ]
+                try:
+                    used = [0] * len(self.layout.groups)
+                    lock = threading.Lock()
+                    for i, group in enumerate(self.layout.groups):
+                        account = _GroupAccount(self.account, used, i, lock)
+                        self.allocators.append(
+                            PageAllocator(group, account=account, **allocator_options)
+                        )
+                except BaseException:
+                    for allocator in self.allocators:  # their threads stop, extents return
+                        allocator.close()
+                    self.allocators.clear()
+                    self.layout.close()
+                    raise
             except BaseException:
-                if layout is not None:
+                if layout is not None and not getattr(layout, "_closed", False):
                     layout.close()
                 self.account.close()
                 raise
         except BaseException:
             self.ledger.close()
             raise
+        _start_metrics_once()
 
     # ------------------------------------------------------------------ blocks
     def _allocator(self, group: int) -> PageAllocator:
@@ -163,11 +185,20 @@ class KVCache(Closeable):
 
     def view(self, layer: int, part: Part = "kv", **options: Any) -> Any:
         """The zero-copy tensor of `layer`'s K, V or both (see `KVLayout.view`)."""
+        self._check_own_process()
         return self.layout.view(layer, part, **options)
 
     def set_limit(self, nbytes: int | None) -> None:
         """Change this instance's limit in the ledger; the allocators follow it."""
+        self._check_own_process()
         self.ledger.set_limit(self.account.name, nbytes)
+
+    def _check_own_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise InvalidArgument(
+                f"KVCache {self.account.name!r} belongs to process {self._pid}; a forked "
+                "child cannot use it: create a KVCache of its own in the child"
+            )
 
     @property
     def reserved_bytes(self) -> int:
@@ -179,6 +210,8 @@ class KVCache(Closeable):
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # a forked child: the pages and the ledger row are the parent's
         try:
             for allocator in self.allocators:
                 allocator.close()
@@ -186,3 +219,31 @@ class KVCache(Closeable):
         finally:
             self.account.close()
             self.ledger.close()
+
+
+_metrics_lock = threading.Lock()
+_metrics_started_in: int | None = None  # pid of the process that started (or tried) it
+
+
+def _start_metrics_once() -> None:
+    """Start the metrics endpoint of KVCACHED_METRICS_PORT, once per process."""
+    global _metrics_started_in
+    if settings().metrics_port is None:
+        return
+    with _metrics_lock:
+        if _metrics_started_in == os.getpid():
+            return
+        _metrics_started_in = os.getpid()
+    from kvcached import metrics
+
+    metrics.start_process_server()
+
+
+def _stop_metrics() -> None:
+    """Stop this process's metrics endpoint and allow a later KVCache to start it again."""
+    global _metrics_started_in
+    from kvcached import metrics
+
+    metrics.stop_process_server()
+    with _metrics_lock:
+        _metrics_started_in = None

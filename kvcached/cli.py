@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvcached import registry
+from kvcached.config import settings
 from kvcached.errors import KVCachedError
 
 app = typer.Typer(
@@ -50,13 +51,18 @@ def collect_info(requested: str | None) -> dict[str, Any]:
         "backends": registry.availability(),
     }
     try:
+        settings()  # every KVCACHED_* variable, even those this command does not use
         name = registry.resolve_name(requested)
     except KVCachedError as exc:
         report["selected"] = None
         report["error"] = str(exc)
         return report
     report["selected"] = name
-    backend = registry.backend_class(name)()
+    try:
+        backend = registry.backend_class(name)()
+    except KVCachedError as exc:  # e.g. a setting only the backend reads
+        report["error"] = str(exc)
+        return report
     try:
         report["device"] = backend.describe()
     finally:
@@ -150,7 +156,7 @@ def demo(
     from pathlib import Path
 
     from kvcached.config import parse_size
-    from kvcached.demo import DemoConfig, run_demo
+    from kvcached.demo import DemoConfig, run_demo, stop_on_sigterm
 
     config = DemoConfig(
         instances=instances,
@@ -164,7 +170,12 @@ def demo(
         f"kvcached demo on backend [bold]{registry.resolve_name(backend)}[/]: "
         f"{instances} x {model}, {budget} shared, {seconds:.0f} s per mode"
     )
-    run_demo(config, out=Path(out))
+    try:
+        with stop_on_sigterm():
+            run_demo(config, out=Path(out))
+    except KeyboardInterrupt:
+        console.print("demo interrupted; workers stopped, temporary ledger removed")
+        raise typer.Exit(code=130) from None
 
 
 def main() -> None:

@@ -6,12 +6,20 @@ gives every bad value an error that names the variable and what it accepts; it i
 imported on first use only, so `import kvcached` stays fast.
 
 Sizes are written the usual ways ("8GiB", "512MiB", "1.5GB", a plain byte count) and
-some also accept a percentage of a total ("40%").
+some also accept a percentage of a total ("40%"). A bare one-letter unit ("64m",
+"2g") is refused: tools disagree on whether it means MiB or MB, so the error asks for
+"64MiB" (64 * 2**20 bytes) or "64MB" (64 * 10**6 bytes).
+
+Every value is checked when the settings are read, including the sizes that are only
+converted later (a percentage needs the device's memory), so `settings()` is the
+one place a bad environment is reported: `kvcached info` calls it first.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +32,17 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 # What a size may look like before pydantic reads the unit; ByteSize alone takes
 # "1.5.5GiB" or "1.9" as 1 byte.
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]i?b?|b)?\s*$", re.IGNORECASE)
+# A host name as RFC 1123 spells it: dot-separated labels of letters, digits, hyphens.
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$",
+    re.IGNORECASE,
+)
+
+#: Bounds of the settings that have no natural one (a value past them is a typo).
+MAX_DEVICE_INDEX = 1023
+MIN_EXTENT_BYTES = 4096
+MAX_EXTENT_BYTES = 1 << 40  # 1 TiB: larger than any device's memory today
+MAX_RELEASE_DELAY_S = 86400.0
 
 
 def parse_size(value: str | int, *, total: int | None = None, what: str = "size") -> int:
@@ -44,6 +63,14 @@ def parse_size(value: str | int, *, total: int | None = None, what: str = "size"
         from pydantic import ByteSize, TypeAdapter, ValidationError
 
         shape = _SIZE.match(value)
+        unit = shape.group(2) if shape is not None else None
+        if unit is not None and len(unit) == 1 and unit.lower() != "b":
+            number = shape.group(1) if shape is not None else value
+            raise InvalidArgument(
+                f"{what} {value!r} is ambiguous: write {number}{unit.upper()}iB for "
+                f"{number} * 2**{_POWER[unit.lower()]} bytes or {number}{unit.upper()}B for "
+                f"{number} * 10**{_POWER[unit.lower()] * 3 // 10} bytes"
+            )
         try:
             if shape is None or ("." in shape.group(1) and not shape.group(2)):
                 raise ValueError(value)  # malformed, or a fraction of a byte
@@ -58,8 +85,47 @@ def parse_size(value: str | int, *, total: int | None = None, what: str = "size"
     return nbytes
 
 
+_POWER = {"k": 10, "m": 20, "g": 30, "t": 40, "p": 50, "e": 60}
+
+
+def check_size_text(value: str, *, what: str, percent: bool = False, zero: bool = False) -> str:
+    """Validate a size setting that is converted later; return it unchanged.
+    `percent`: "40%" is accepted; `zero`: "0" is accepted (means "none")."""
+    if zero and value.strip() == "0":
+        return value
+    parse_size(value, total=1 << 60 if percent else None, what=what)
+    return value
+
+
+def check_address(value: str, *, what: str) -> str:
+    """An IP address or a host name to bind to; anything else is refused."""
+    text = value.strip()
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if _HOSTNAME.match(text) and not text.replace(".", "").isdigit():
+        return text
+    raise InvalidArgument(
+        f"{what} {value!r} is not an address; accepted: an IP address such as 127.0.0.1, "
+        "0.0.0.0 or ::1, or a host name such as localhost (no port, no scheme)"
+    )
+
+
+def check_release_delay(value: object, *, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{what} must be seconds (a number), got {value!r}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_RELEASE_DELAY_S:
+        raise InvalidArgument(
+            f"{what} must be a finite number of seconds in [0, {MAX_RELEASE_DELAY_S:g}], "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
 def _settings_class() -> type[BaseSettings]:
-    from pydantic import Field, field_validator
+    from pydantic import Field, field_validator, model_validator
     from pydantic_settings import BaseSettings, SettingsConfigDict
 
     class Settings(BaseSettings):
@@ -70,7 +136,12 @@ def _settings_class() -> type[BaseSettings]:
             description="Backend to use (cuda, rocm, mlx, host, or a third party's); "
             "auto-detected when unset.",
         )
-        device: int = Field(default=0, ge=0, description="Accelerator ordinal the backend drives.")
+        device: int = Field(
+            default=0,
+            ge=0,
+            le=MAX_DEVICE_INDEX,
+            description="Accelerator ordinal the backend drives.",
+        )
         host_budget: str | None = Field(
             default=None,
             description="Physical memory the host backend may create: a size or a "
@@ -83,7 +154,8 @@ def _settings_class() -> type[BaseSettings]:
         extent_size: str = Field(
             default="32MiB",
             description="Physical page size the allocator grows by, per layer buffer (K or "
-            "V); rounded down to whole page ids. Larger: cheaper growth, coarser release.",
+            "V), 4 KiB to 1 TiB; rounded down to whole page ids (at least one). Larger: "
+            "cheaper growth, coarser release.",
         )
         pool_low: str = Field(
             default="256MiB",
@@ -97,8 +169,11 @@ def _settings_class() -> type[BaseSettings]:
         pool_release_delay: float = Field(
             default=1.0,
             ge=0,
+            le=MAX_RELEASE_DELAY_S,
+            allow_inf_nan=False,
             description="Seconds the unused KV bytes must stay above pool_high before "
-            "the allocator gives extents back (damps grow/release cycles).",
+            "the allocator gives extents back (damps grow/release cycles); finite, at "
+            "most a day.",
         )
         budget: str | None = Field(
             default=None,
@@ -134,17 +209,62 @@ def _settings_class() -> type[BaseSettings]:
         )
         metrics_addr: str = Field(
             default="127.0.0.1",
-            description="Address the metrics endpoint binds to (default: loopback only).",
+            description="Address the metrics endpoint binds to: an IP address or a host "
+            "name, no port (default: loopback only).",
         )
 
         @field_validator("ledger_dir")
         @classmethod
         def _absolute_ledger_dir(cls, value: str | None) -> str | None:
-            if value is None or not value.strip():
+            if value is None:
                 return None
+            if not value.strip():
+                raise ValueError(
+                    "is blank; accepted: an absolute path (unset the variable for the default)"
+                )
             if not value.startswith("/"):
                 raise ValueError(f"must be an absolute path, got {value!r}")
             return value
+
+        @field_validator("host_budget", "budget")
+        @classmethod
+        def _size_or_percentage(cls, value: str | None, info: Any) -> str | None:
+            if value is None:
+                return None
+            return check_size_text(value, what=_env_name(info.field_name), percent=True)
+
+        @field_validator("host_granularity")
+        @classmethod
+        def _size(cls, value: str, info: Any) -> str:
+            return check_size_text(value, what=_env_name(info.field_name))
+
+        @field_validator("extent_size")
+        @classmethod
+        def _extent(cls, value: str, info: Any) -> str:
+            name = _env_name(info.field_name)
+            check_extent_bytes(parse_size(value, what=name), what=name)
+            return value
+
+        @field_validator("pool_low", "pool_high")
+        @classmethod
+        def _size_or_zero(cls, value: str, info: Any) -> str:
+            return check_size_text(value, what=_env_name(info.field_name), zero=True)
+
+        @field_validator("metrics_addr")
+        @classmethod
+        def _address(cls, value: str, info: Any) -> str:
+            return check_address(value, what=_env_name(info.field_name))
+
+        @model_validator(mode="after")
+        def _pool_watermarks(self) -> Any:
+            low = 0 if self.pool_low.strip() == "0" else parse_size(self.pool_low)
+            high = 0 if self.pool_high.strip() == "0" else parse_size(self.pool_high)
+            if high < low:
+                raise ValueError(
+                    f"KVCACHED_POOL_HIGH ({self.pool_high}) is below KVCACHED_POOL_LOW "
+                    f"({self.pool_low}); accepted: a high watermark >= the low one"
+                )
+            return self
 
         @field_validator("backend")
         @classmethod
@@ -156,6 +276,32 @@ def _settings_class() -> type[BaseSettings]:
     return Settings
 
 
+def _env_name(field: str) -> str:
+    return f"KVCACHED_{field.upper()}"
+
+
+def check_extent_bytes(nbytes: int, *, what: str) -> int:
+    """An extent size: at least one OS page, at most MAX_EXTENT_BYTES."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise InvalidArgument(f"{what} must be an int of bytes, got {nbytes!r}")
+    if not MIN_EXTENT_BYTES <= nbytes <= MAX_EXTENT_BYTES:
+        raise InvalidArgument(
+            f"{what} {nbytes} bytes is not accepted: an extent size is between "
+            f"{MIN_EXTENT_BYTES} bytes and {MAX_EXTENT_BYTES >> 40} TiB (default 32MiB)"
+        )
+    return nbytes
+
+
+def _problem(err: Any) -> str:
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:  # a check across variables names them itself
+        return msg
+    name = _env_name("_".join(str(p) for p in err["loc"]))
+    if name in msg:
+        return msg
+    return f"{name}={err['input']!r}: {msg}"
+
+
 @functools.cache
 def settings() -> Any:
     """The process's validated settings; raises InvalidArgument naming a bad variable."""
@@ -164,10 +310,7 @@ def settings() -> Any:
     try:
         return _settings_class()()
     except ValidationError as exc:
-        problems = "; ".join(
-            f"KVCACHED_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
-            for err in exc.errors()
-        )
+        problems = "; ".join(_problem(err) for err in exc.errors())
         raise InvalidArgument(f"invalid kvcached environment: {problems}") from None
 
 

@@ -17,6 +17,12 @@ requests that had to wait, wait times), writes a PNG of each instance's KV memor
 time for both modes side by side, and one JSON line per mode.
 
 Elastic wins when loads peak at different times; that is the whole case for kvcached.
+
+Stopping it. Ctrl-C reaches the whole terminal process group, so the workers ignore
+SIGINT (they are started with it ignored, and a spawned Python keeps it so) and the
+coordinator alone stops them; SIGTERM to the coordinator is turned into the same
+orderly exit (`stop_on_sigterm`). Either way the workers are terminated, the
+temporary ledger folder is removed and the multiprocessing semaphores are unlinked.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import signal
 import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +128,7 @@ def worker(
     start: Any,
 ) -> None:
     """One model instance: a `KVCache` of its own, charged to the demo's ledger."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     os.environ["KVCACHED_LEDGER_DIR"] = ledger_dir  # the demo's ledger, not the device's
     import torch
 
@@ -290,12 +300,14 @@ def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
             )
             for i in range(config.instances)
         ]
-        for process in processes:
-            process.start()
+        with _sigint_ignored():  # inherited by the spawned workers from their start
+            for process in processes:
+                process.start()
         timeline: dict[int, list[tuple[float, int]]] = {i: [] for i in range(config.instances)}
         latest: dict[int, dict[str, Any]] = {}
         finals: dict[int, dict[str, Any]] = {}
         ready = 0
+        stopped = True  # until the mode has run to its end
         try:
             while ready < config.instances:
                 message = _next_report(reports, processes)
@@ -313,16 +325,46 @@ def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
                         latest[instance] = message
                         timeline[instance].append((message["t"], message["reserved"]))
                         view.update(_table(config, mode, latest))
+            stopped = False
         finally:
             for process in processes:
-                process.join(timeout=60)
+                if stopped and process.is_alive():
+                    process.terminate()  # interrupted, or a worker failed: stop the rest
+                process.join(timeout=10 if stopped else 60)
                 if process.is_alive():
                     process.kill()
+                    process.join()
+            reports.cancel_join_thread()  # reports nobody will read must not block exit
+            reports.close()
             leftover = ledger.totals().reserved
             ledger.close()
         if leftover:
             raise RuntimeError(f"{leftover} bytes stayed charged in the ledger after {mode}")
     return ModeResult(mode, timeline, finals)
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit(143) in the main thread, so `finally`
+    blocks and context managers clean up as they do for Ctrl-C."""
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _next_report(reports: Any, processes: list[Any]) -> dict[str, Any]:

@@ -4,6 +4,12 @@ Reservations, pages, backends, layouts, allocators, ledgers and caches hold memo
 files until closed. Each implements `close()` (idempotent) and keeps `_closed`; this
 base class gives them the rest, so a `with` block always gives its resource back,
 also when an exception unwinds it.
+
+Two things `close()` cannot reach. Tensor views taken before it stay Python objects
+over addresses that are no longer backed; what touching one does is per backend
+(docs/backends/stale-views.md: on the host it faults). And after fork() the child's
+copies of these objects belong to the parent: they refuse use, and their `close()`
+gives nothing back.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import KVCachedError
 from kvcached.ledger import Ledger, LedgerError, existing_keys
+from kvcached.lifetime import Closeable
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -143,10 +144,11 @@ class LedgerCollector:
             self._ledgers.clear()
 
 
-class MetricsServer:
-    """A running metrics endpoint; `close()` stops it."""
+class MetricsServer(Closeable):
+    """A running metrics endpoint; `close()` stops it (idempotent)."""
 
     def __init__(self, server: Any, thread: threading.Thread, collector: LedgerCollector) -> None:
+        self._closed = False
         self._server = server
         self._thread = thread
         self.collector = collector
@@ -158,6 +160,9 @@ class MetricsServer:
         return f"http://{self.addr}:{self.port}/metrics"
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
@@ -183,10 +188,11 @@ def serve(
 
 
 def start_from_settings() -> MetricsServer | None:
-    """Start the endpoint if KVCACHED_METRICS_PORT is set (for the allocator, once per
-    process). It exports every ledger of this user, so any one process serves all
-    devices. None when the variable is unset, the port is taken (another instance
-    serves it already) or prometheus_client is missing."""
+    """Start the endpoint if KVCACHED_METRICS_PORT is set. It exports every ledger of
+    this user, so any one process serves all devices. None when the variable is unset,
+    the port is taken (another instance serves it already), the address cannot be
+    bound (logged as a warning naming KVCACHED_METRICS_ADDR) or prometheus_client is
+    missing."""
     from kvcached.config import settings
 
     config = settings()
@@ -195,9 +201,39 @@ def start_from_settings() -> MetricsServer | None:
     try:
         return serve(None, port=config.metrics_port, addr=config.metrics_addr)
     except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        log.info("metrics port %d is taken; another process serves it", config.metrics_port)
+        if exc.errno == errno.EADDRINUSE:
+            log.info("metrics port %d is taken; another process serves it", config.metrics_port)
+        else:
+            log.warning(
+                "KVCACHED_METRICS_PORT=%d: cannot serve metrics on KVCACHED_METRICS_ADDR=%s: %s",
+                config.metrics_port,
+                config.metrics_addr,
+                exc,
+            )
     except KVCachedError as exc:
         log.warning("KVCACHED_METRICS_PORT is set but %s", exc)
     return None
+
+
+_process_server: MetricsServer | None = None
+_process_lock = threading.Lock()
+
+
+def start_process_server() -> MetricsServer | None:
+    """The endpoint of KVCACHED_METRICS_PORT for this process, started on first call
+    (every `KVCache` calls it); it runs until the process exits or
+    `stop_process_server()`."""
+    global _process_server
+    with _process_lock:
+        if _process_server is None:
+            _process_server = start_from_settings()
+        return _process_server
+
+
+def stop_process_server() -> None:
+    """Stop the endpoint `start_process_server` started, if any (tests use it)."""
+    global _process_server
+    with _process_lock:
+        server, _process_server = _process_server, None
+    if server is not None:
+        server.close()

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import threading
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvcached import cache as cache_module
+from kvcached.allocator import PageAllocator
 from kvcached.backends.host import HostBackend
 from kvcached.cache import KVCache
 from kvcached.config import reload_settings
@@ -159,3 +166,185 @@ def test_budget_setting_ignored_by_an_existing_ledger_is_warned_about(
     assert "KVCACHED_BUDGET=128MiB is ignored" in record.getMessage()
     assert "budget of 0.06 GiB (67108864 bytes)" in record.getMessage()
     assert "kvctl budget" in record.getMessage()
+
+
+# ----------------------------------------------------------------- fork (issue 8.3)
+def _in_forked_child(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run `check` in a forked child; return what it reports (exceptions included)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(read_end)
+        try:
+            report = check()
+        except BaseException as exc:
+            report = {"crashed": f"{type(exc).__name__}: {exc}"}
+        os.write(write_end, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    report: dict[str, Any] = json.loads(data)
+    return report
+
+
+def _refusal(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except InvalidArgument as exc:
+        return str(exc)
+    return "not refused"
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["no-pool-thread", "pool-thread"])
+def test_forked_child_cannot_hand_out_the_parents_blocks(
+    backend: HostBackend, background: bool
+) -> None:
+    """After fork() the child's copy of a cache handed out block ids from the parent's
+    current page without the ledger, over the same shared pages: the parent wrote 5.0
+    and read back what the child wrote. Every use in the child must now be refused, and
+    closing it there must give back nothing of the parent's."""
+    options = {**QUIET, "background": background}
+    with KVCache(LAYERS, block_size=16, name="parent", backend=backend, **options) as cache:
+        blocks = cache.alloc(4)
+        assert blocks is not None
+        keys = cache.view(0, "k")
+        keys[blocks[0]].fill_(5.0)
+        g = backend.granularity
+
+        def child() -> dict[str, Any]:
+            refusals = {
+                "alloc": _refusal(lambda: cache.alloc(1)),
+                "alloc_one": _refusal(lambda: cache.allocators[0].alloc_one()),
+                "free": _refusal(lambda: cache.free(blocks[:1])),
+                "view": _refusal(lambda: cache.view(0, "k")),
+                "create": _refusal(lambda: backend.create(g)),
+                "reserve": _refusal(lambda: backend.reserve(g)),
+            }
+            cache.close()  # must not unmap, release or refund the parent's pages
+            backend.close()
+            return refusals
+
+        refusals = _in_forked_child(child)
+        for what, message in refusals.items():
+            assert "forked child" in message, (what, message)
+        assert float(keys[blocks[0]].min()) == 5.0 == float(keys[blocks[0]].max())
+        more = cache.alloc(1)  # the parent carries on
+        assert more is not None and not set(more) & set(blocks)
+        cache.free(blocks + more)
+    assert backend.live_counts == (0, 0)
+
+
+# ------------------------------------------------- failed constructor (issue 8.5)
+def _pool_threads() -> int:
+    return sum(t.name.startswith("kvcached-pool-") for t in threading.enumerate())
+
+
+def test_failed_constructor_leaks_no_reservations(backend: HostBackend) -> None:
+    """pool_low above pool_high fails after the layout is built: each attempt used to
+    leave its reservations behind (6 after 3 attempts)."""
+    before = backend.live_counts
+    for _ in range(3):
+        with pytest.raises(InvalidArgument, match="pool_high"):
+            KVCache(
+                LAYERS, block_size=16, name="bad", backend=backend, pool_low=4 * MiB,
+                pool_high=2 * MiB,
+            )  # fmt: skip
+    assert backend.live_counts == before
+    assert _ledger(backend).rows() == []
+
+
+def test_failed_later_group_stops_the_earlier_groups_pool_threads(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the allocator of a later group failed, the earlier groups' pool threads kept
+    running against a half-built cache and logged tracebacks many times a second."""
+    two_groups = [LayerSpec(num_kv_heads=2, head_dim=64), LayerSpec(num_kv_heads=4, head_dim=64)]
+    built: list[PageAllocator] = []
+
+    class FailingSecond(PageAllocator):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if built:
+                raise InvalidArgument("the second group's allocator fails")
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(cache_module, "PageAllocator", FailingSecond)
+    threads_before = _pool_threads()
+    before = backend.live_counts
+    with pytest.raises(InvalidArgument, match="second group"):
+        KVCache(
+            two_groups, block_size=16, name="half", backend=backend, pool_low=2 * MiB,
+            pool_high=4 * MiB,
+        )  # fmt: skip
+    assert len(built) == 1 and built[0].closed
+    assert _pool_threads() == threads_before
+    assert backend.live_counts == before
+    assert _ledger(backend).rows() == []
+
+
+# ---------------------------------------------------- metrics port (issue 8.10)
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_metrics_port_makes_an_instance_serve_metrics(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVCACHED_METRICS_PORT did nothing although the README promised an endpoint."""
+    pytest.importorskip("prometheus_client")
+    port = _free_port()
+    monkeypatch.setenv("KVCACHED_METRICS_PORT", str(port))
+    monkeypatch.setenv("KVCACHED_METRICS_ADDR", "127.0.0.1")
+    reload_settings()
+    try:
+        with KVCache(LAYERS, block_size=16, name="served", backend=backend, **QUIET) as cache:
+            assert cache.alloc(3) is not None
+            url = f"http://127.0.0.1:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=30) as response:
+                body = response.read().decode()
+        assert 'kvcached_instance_used_bytes{engine="custom"' in body
+        assert 'name="served"' in body
+    finally:
+        cache_module._stop_metrics()
+
+
+# ----------------------------------------------------- idempotent close (issue 8.13)
+def test_close_twice_is_harmless_on_every_resource_object(backend: HostBackend) -> None:
+    """lifetime.py promises an idempotent close(); a Reservation or Page closed twice
+    (or after its backend) raised InvalidArgument instead."""
+    g = backend.granularity
+    reservation, page = backend.reserve(2 * g), backend.create(g)
+    for resource in (reservation, page):
+        resource.close()
+        resource.close()
+    other = HostBackend(budget="64MiB")
+    leftover_reservation, leftover_page = other.reserve(g), other.create(g)
+    other.close()
+    other.close()
+    leftover_reservation.close()  # its backend already gave it back
+    leftover_page.close()
+    cache = KVCache(LAYERS, block_size=16, name="twice", backend=backend, **QUIET)
+    assert cache.alloc(2) is not None
+    layout, allocator, account, ledger = (
+        cache.layout,
+        cache.allocators[0],
+        cache.account,
+        cache.ledger,
+    )
+    cache.close()
+    for resource in (cache, allocator, layout, account, ledger):
+        resource.close()
+        assert resource.closed
+    assert backend.live_counts == (0, 0)
+    pytest.importorskip("prometheus_client")
+    from kvcached.metrics import serve
+
+    server = serve(None, port=0)
+    server.close()
+    server.close()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,3 +36,80 @@ def test_short_demo_serves_requests_and_keeps_the_books(tmp_path: Path) -> None:
 def test_unknown_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="unknown demo model 'gpt-9'"):
         run_demo(DemoConfig(model="gpt-9"), out=tmp_path / "x.png")
+
+
+# ------------------------------------------------- stopping the demo (issue 8.17)
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listing:
+            return [int(p) for p in listing.read().split()]
+    except OSError:
+        return []
+
+
+def _maps(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return maps.read()
+    except OSError:
+        return ""
+
+
+def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, list[int], set[str]]:
+    """`kvcached demo` with one worker, once that worker has opened the demo's ledger;
+    returns the process, its TMPDIR, the worker pids and the semaphores it holds."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, TMPDIR=str(scratch), KVCACHED_BACKEND="host")
+    out = str(tmp_path / "d.png")
+    command = [sys.executable, "-m", "kvcached.cli", "demo", "--instances", "1",
+               "--seconds", "60", "--budget", "256MiB", "--out", out]  # fmt: skip
+    demo = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180  # a safety net for a hung start, not a measurement
+    while time.monotonic() < deadline:
+        assert demo.poll() is None, demo.communicate()[0]
+        workers = [
+            child for child in _children(demo.pid) if str(scratch) in _maps(child)
+        ]  # a worker maps the ledger in the demo's temporary folder once its cache exists
+        if workers:
+            semaphores = set(re.findall(r"/dev/shm/sem\.\S+", _maps(demo.pid)))
+            return demo, scratch, workers, semaphores
+        time.sleep(0.2)
+    demo.kill()
+    pytest.fail("the demo's worker never opened its ledger")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_cleaned_up(scratch: Path, workers: list[int], semaphores: set[str]) -> None:
+    assert list(scratch.iterdir()) == []  # no kvcached-demo-* ledger folder left
+    assert semaphores, "the check needs the demo's semaphores to look for"
+    assert [s for s in semaphores if os.path.exists(s)] == []
+    assert [pid for pid in workers if _alive(pid)] == []
+
+
+def test_demo_stopped_with_sigterm_leaves_no_ledger_dir_or_semaphores(tmp_path: Path) -> None:
+    demo, scratch, workers, semaphores = _start_demo(tmp_path)
+    demo.send_signal(signal.SIGTERM)
+    output, _ = demo.communicate(timeout=120)
+    _assert_cleaned_up(scratch, workers, semaphores)
+    assert demo.returncode == 128 + signal.SIGTERM, output
+
+
+def test_demo_interrupted_with_ctrl_c_prints_no_worker_tracebacks(tmp_path: Path) -> None:
+    demo, scratch, workers, semaphores = _start_demo(tmp_path)
+    os.killpg(demo.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    output, _ = demo.communicate(timeout=120)
+    assert "Traceback" not in output, output
+    assert "demo interrupted" in output
+    assert demo.returncode == 130
+    _assert_cleaned_up(scratch, workers, semaphores)

@@ -17,6 +17,13 @@ How the driver primitives map onto Linux:
   address; **unmap** puts the `PROT_NONE` reservation back with another `MAP_FIXED`
   mmap, so the range stays reserved (no one else can take the addresses in between).
   Mapping one page in two places aliases it, as on a GPU.
+* **free** does not give the addresses back to the kernel either: the range, already
+  `PROT_NONE` once unmapped, stays reserved (quarantined), so that a tensor view kept
+  past `free` or `Backend.close()` faults (SIGSEGV) on its next access instead of
+  writing into whatever the kernel would place at those addresses next. Quarantined
+  address space costs no memory; only past `QUARANTINE_BYTES` of it (64 TiB, half of
+  x86-64's user address space) are the oldest ranges returned. See
+  docs/backends/stale-views.md.
 
 Memory accounting. With a budget (KVCACHED_HOST_BUDGET, or `budget=`) the instance
 has memory of its own: `total` is the budget and `free` what is left of it; sharing
@@ -27,7 +34,8 @@ MemAvailable is not used for `free`: on VMs with ballooned or hot-plugged memory
 drifts by tens of MiB while nothing is allocated, and it trails shmem commits. It is
 still the guard in `create`: a page that would not fit in MemAvailable is refused
 with OutOfMemory, because committing shmem past it would not fail cleanly (with no
-swap the OOM killer ends a process).
+swap the OOM killer ends a process). That guard holds with a budget too: a budget
+above what the machine has is still refused page by page once RAM runs out.
 Everything is returned when the process exits: the kernel drops the mappings and the
 memfd with it.
 """
@@ -39,6 +47,7 @@ import mmap
 import os
 import sys
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +58,41 @@ from kvcached.errors import DriverError, InvalidArgument, OutOfMemory
 from kvcached.views import host_tensor
 
 ARENA_FILE_SIZE = 1 << 44  # 16 TiB of sparse file offsets; only created pages use memory
+QUARANTINE_BYTES = 1 << 46  # freed address space kept reserved, per process (see above)
+
+# Freed reservations, oldest first, shared by every host backend of the process (the
+# address space is the process's); a forked child inherits them, which is harmless.
+_quarantine: deque[tuple[int, int]] = deque()
+_quarantined_bytes = 0
+_quarantine_lock = threading.Lock()
+
+
+def _quarantine_range(address: int, nbytes: int) -> None:
+    """Keep [address, address + nbytes) reserved and inaccessible; if that makes the
+    quarantine pass QUARANTINE_BYTES, give the oldest ranges back to the kernel."""
+    global _quarantined_bytes
+    expired: list[tuple[int, int]] = []
+    with _quarantine_lock:
+        _quarantine.append((address, nbytes))
+        _quarantined_bytes += nbytes
+        while _quarantined_bytes > QUARANTINE_BYTES and len(_quarantine) > 1:
+            oldest = _quarantine.popleft()
+            _quarantined_bytes -= oldest[1]
+            expired.append(oldest)
+    for start, size in expired:
+        libc.munmap(start, size)
+
+
+def _release_quarantine() -> bool:
+    """Give every quarantined range back (the address space ran out); False if none."""
+    global _quarantined_bytes
+    with _quarantine_lock:
+        expired = list(_quarantine)
+        _quarantine.clear()
+        _quarantined_bytes = 0
+    for start, size in expired:
+        libc.munmap(start, size)
+    return bool(expired)
 
 
 def _meminfo(field: bytes) -> int:
@@ -83,21 +127,27 @@ class HostBackend(Backend):
 
             raise BackendUnavailable(f"host backend: {reason}")
         config = settings()
+        granularity_name = "granularity" if granularity is not None else "KVCACHED_HOST_GRANULARITY"
         self._granularity = parse_size(
             granularity if granularity is not None else config.host_granularity,
-            what="host granularity",
+            what=granularity_name,
         )
         g = self._granularity
         if g % mmap.PAGESIZE or g & (g - 1):
             raise InvalidArgument(
-                f"host granularity {g} must be a power of two and a multiple of the OS "
-                f"page size ({mmap.PAGESIZE})"
+                f"{granularity_name} {g} is not accepted: the host granularity must be a "
+                f"power of two and a multiple of the OS page size ({mmap.PAGESIZE} bytes), "
+                "e.g. 64KiB or 2MiB"
             )
         requested = budget if budget is not None else config.host_budget
         self._budget: int | None = (
             None
             if requested is None
-            else parse_size(requested, total=mem_available(), what="KVCACHED_HOST_BUDGET")
+            else parse_size(
+                requested,
+                total=mem_available(),
+                what="budget" if budget is not None else "KVCACHED_HOST_BUDGET",
+            )
         )
         self._fd = os.memfd_create("kvcached-host-arena", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, ARENA_FILE_SIZE)
@@ -140,9 +190,32 @@ class HostBackend(Backend):
         return info
 
     # ------------------------------------------------------------ primitives
+    def held_bytes(self) -> int | None:
+        """Bytes the kernel has allocated to this instance's arena file (0 once closed)."""
+        if self._fd < 0:
+            return 0
+        return os.fstat(self._fd).st_blocks * 512
+
     def _reserve(self, nbytes: int) -> int:
         g = self._granularity
-        raw = libc.mmap_anonymous_reserve(0, nbytes + g, fixed=False)
+        try:
+            try:
+                raw = libc.mmap_anonymous_reserve(0, nbytes + g, fixed=False)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM or not _release_quarantine():
+                    raise
+                raw = libc.mmap_anonymous_reserve(0, nbytes + g, fixed=False)
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM:
+                raise OutOfMemory(
+                    f"cannot reserve {nbytes} bytes: the process's address space has no "
+                    "free range that large"
+                ) from None
+            if exc.errno in (errno.EOVERFLOW, errno.EINVAL):
+                raise InvalidArgument(
+                    f"cannot reserve {nbytes} bytes: larger than any address space"
+                ) from None
+            raise
         aligned = (raw + g - 1) & ~(g - 1)
         if aligned > raw:
             libc.munmap(raw, aligned - raw)
@@ -152,17 +225,17 @@ class HostBackend(Backend):
         return aligned
 
     def _free(self, address: int, nbytes: int) -> None:
-        libc.munmap(address, nbytes)
+        # Unmapping already put PROT_NONE back over every page; keep the range reserved.
+        _quarantine_range(address, nbytes)
 
     def _create(self, nbytes: int) -> Any:
         with self._arena_lock:
-            if self._budget is None:
-                available = mem_available()
-                if nbytes > available:
-                    raise OutOfMemory(
-                        f"host memory exhausted: {nbytes} bytes asked, {available} available"
-                    )
-            elif self._used + nbytes > self._budget:
+            available = mem_available()  # the guard, with or without a budget
+            if nbytes > available:
+                raise OutOfMemory(
+                    f"host memory exhausted: {nbytes} bytes asked, {available} available"
+                )
+            if self._budget is not None and self._used + nbytes > self._budget:
                 raise OutOfMemory(
                     f"host budget exhausted: {self._used} of {self._budget} bytes in use, "
                     f"{nbytes} more asked"
