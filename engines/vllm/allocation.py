@@ -21,12 +21,15 @@ Only the allocation the engine core sized for kvcached is served (its block coun
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvcached.backing import BackingBuffer
 from kvcached.engines.vllm import instance
+
+log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,15 @@ def _serve(
 
     backend = get_backend()
     geometry = _geometry(kv_cache_config, backend.granularity)
+    log.info(
+        "kvcached serves %s: %d blocks of %d bytes in %d segment(s) (first %s), calls %s",
+        original.__qualname__,
+        geometry.num_blocks,
+        geometry.block_bytes,
+        len(geometry.segment_offsets),
+        kv_cache_config.kv_cache_tensors[0],
+        geometry.calls[:2],
+    )
     backing = BackingBuffer(
         backend,
         nbytes=geometry.nbytes,

@@ -21,7 +21,7 @@ from kvcached.cache import KVCache
 from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
 
-log = logging.getLogger("kvcached.vllm")
+log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 NULL_BLOCK = 0
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvcached.engines.vllm import instance
 
-log = logging.getLogger("kvcached.vllm")
+log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 #: how often (seconds) the timer thread looks at an idle engine
 IDLE_TICK_S = 0.25

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvcached.engines.vllm import instance, refusals
 
-log = logging.getLogger("kvcached.vllm")
+log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 #: vLLM keeps a Python object per block; past this many the pool costs more than it helps.
 MAX_BLOCKS = 1 << 18
