@@ -200,6 +200,17 @@ def serve_from_kvcached(original: Callable[..., Any], name: str) -> Callable[...
     def function(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not sized_for_us(kv_cache_config):
             return original(kv_cache_config, *args, **kwargs)
+        if name == "_allocate_kv_cache":  # 0.26's Model Runner V2
+            from kvcached.engines.vllm.refusals import Refused
+
+            # measured on the H200 (benchmarks/results/h200-2026-12-01): V2's attention
+            # touches KV bytes of blocks the scheduler never handed out, an illegal
+            # address once they are unmapped (its tokens are equal when all is mapped)
+            raise Refused(
+                "vLLM's Model Runner V2 reads KV blocks the scheduler has not allocated, "
+                "which kvcached leaves unmapped (an illegal memory access); set "
+                "VLLM_USE_V2_MODEL_RUNNER=0 to use Model Runner V1, which kvcached supports"
+            )
         return _serve(original, kv_cache_config, instance.planned_model)(
             kv_cache_config, *args, **kwargs
         )
