@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvcached.allocator import PageAllocator
@@ -67,29 +67,46 @@ def open_device_ledger(backend: Backend, budget: int | str | None = None) -> Led
 
 class _GroupAccount:
     """One group's view of the instance's ledger row: charges go straight through,
-    `set_used` reports the sum over the groups."""
+    `set_used` reports the sum over the groups.
 
-    def __init__(self, row: LedgerAccount, used: list[int], index: int, lock: threading.Lock):
+    `scale`: the row is charged this many bytes per byte the allocator maps (an
+    allocator whose decisions several processes carry out, one copy each: replay.py).
+    `before_refund`: called before bytes go back to the row (to wait until those
+    processes have unmapped them)."""
+
+    def __init__(
+        self,
+        row: LedgerAccount,
+        used: list[int],
+        index: int,
+        lock: threading.Lock,
+        scale: int = 1,
+        before_refund: Callable[[], object] | None = None,
+    ):
         self._row, self._used, self._index, self._lock = row, used, index, lock
+        self._scale, self._before_refund = scale, before_refund
 
     def try_charge(self, nbytes: int) -> bool:
-        return self._row.try_charge(nbytes)
+        return self._row.try_charge(nbytes * self._scale)
 
     def refund(self, nbytes: int) -> None:
-        self._row.refund(nbytes)
+        if self._before_refund is not None:
+            self._before_refund()
+        self._row.refund(nbytes * self._scale)
 
     def set_used(self, nbytes: int) -> None:
         with self._lock:
-            self._used[self._index] = nbytes
+            self._used[self._index] = nbytes * self._scale
             total = sum(self._used)
         self._row.set_used(total)
 
     def headroom(self) -> int:
-        return self._row.headroom()
+        return self._row.headroom() // self._scale
 
     @property
     def limit(self) -> int | None:
-        return self._row.limit
+        limit = self._row.limit
+        return None if limit is None else limit // self._scale
 
 
 class KVCache(Closeable):
@@ -108,6 +125,10 @@ class KVCache(Closeable):
         layout: instead of `layers`, a layout built already over this backend (a
             `BackingBuffer`, for an engine that places its blocks itself); the cache
             owns it from here on and closes it.
+        charge_scale, before_refund: for an allocator whose decisions other processes
+            carry out (`kvcached.replay`): the ledger is charged `charge_scale` bytes
+            per byte mapped (one copy per process), and `before_refund` is called
+            before a release is refunded (to wait until they have all unmapped).
         allocator_options: passed to every `PageAllocator` (extent_bytes, pool_low, ...).
     """
 
@@ -123,6 +144,8 @@ class KVCache(Closeable):
         backend: Backend | str | None = None,
         max_tokens: int | None = None,
         layout: Any = None,
+        charge_scale: int = 1,
+        before_refund: Callable[[], object] | None = None,
         **allocator_options: Any,
     ) -> None:
         from kvcached.registry import get_backend
@@ -147,7 +170,9 @@ class KVCache(Closeable):
                     used = [0] * len(self.layout.groups)
                     lock = threading.Lock()
                     for i, group in enumerate(self.layout.groups):
-                        account = _GroupAccount(self.account, used, i, lock)
+                        account = _GroupAccount(
+                            self.account, used, i, lock, charge_scale, before_refund
+                        )
                         self.allocators.append(
                             PageAllocator(group, account=account, **allocator_options)
                         )

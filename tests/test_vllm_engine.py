@@ -156,21 +156,35 @@ def test_limit_below_one_page_id_is_refused_at_start_up(model: str, tmp_path: Pa
     assert ledger_rows(tmp_path) == []
 
 
-def test_tensor_parallel_is_refused_at_start_up_with_the_option_named(
-    model: str, tmp_path: Path
-) -> None:
-    done = run(
-        model,
-        tmp_path,
-        "--tp",
-        "2",
-        in_process=False,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-        check=False,
+def test_greedy_tokens_equal_with_tensor_parallel_2(model: str, tmp_path: Path) -> None:
+    # TP=2 on vLLM-CPU gives TP=1's float32 tokens; with kvcached the scheduler's
+    # decisions are replayed by both workers (ops on the scheduler output)
+    args = ("--repeat", "2", "--prompt-len", "300")
+    result = run(model, tmp_path, *args, "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert isinstance(result, dict)
+    assert result["runs"] == baseline(model, tmp_path, *args)
+    assert "kvcached serves allocate_kv_cache" in result["stderr"]
+    assert "Worker_TP1" in result["stderr"]
+    assert ledger_rows(tmp_path) == []
+
+
+def test_pipeline_parallel_is_refused_with_the_option_named() -> None:
+    from types import SimpleNamespace
+
+    from kvcached.engines.vllm.refusals import Refused, check
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1),
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(enable_sleep_mode=False),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
     )
-    assert isinstance(done, subprocess.CompletedProcess)
-    assert done.returncode != 0
-    assert "tensor_parallel_size=2" in done.stderr and "Unset ENABLE_KVCACHED" in done.stderr
+    with pytest.raises(Refused, match="pipeline_parallel_size=2 is not supported"):
+        check(config, [{}])
+    config.parallel_config.pipeline_parallel_size = 1
+    config.cache_config.cache_dtype = "fp8"
+    with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):
+        check(config, [{}])
 
 
 def test_unknown_backend_is_refused_with_the_choices(model: str, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ run unchanged), and physical pages come and go under the views as blocks are use
 
 Where the blocks are. Block `b` of every layer's page lies at a fixed stride
 (`KVCacheTensor` says where): one run of blocks per layer in layer-outermost buffers,
-one run holding all layers in block-outermost ones. `_geometry` turns that into a
+one run holding all layers in block-outermost ones. `geometry_of` turns that into a
 `BackingBuffer`'s segments, so a page id maps the same blocks in every layer at once.
 
 Only the allocation the engine core sized for kvcached is served (its block count is
@@ -49,7 +49,7 @@ def _refuse(what: str) -> RuntimeError:
     )
 
 
-def _geometry(kv_cache_config: Any, granularity: int) -> Geometry:
+def geometry_of(kv_cache_config: Any, granularity: int) -> Geometry:
     """Where vLLM will place every block, for both KVCacheTensor forms (0.26 and 0.32)."""
     tensors = list(kv_cache_config.kv_cache_tensors)
     num_blocks = int(kv_cache_config.num_blocks)
@@ -129,7 +129,7 @@ def _serve(
     from kvcached.registry import get_backend
 
     backend = get_backend()
-    geometry = _geometry(kv_cache_config, backend.granularity)
+    geometry = geometry_of(kv_cache_config, backend.granularity)
     log.info(
         "kvcached serves %s: %d blocks of %d bytes in %d segment(s) (first %s), calls %s",
         original.__qualname__,
@@ -152,7 +152,15 @@ def _serve(
     except BaseException:
         backing.close()
         raise
-    instance.start(backing, model=model)
+    if instance.replica_ops is not None:  # a tensor-parallel worker: replay the plan
+        from kvcached.replay import Replica
+
+        replica = Replica(backend, [backing.reservation])
+        replica.apply(*instance.replica_ops)
+        instance.replica_ops = None
+        instance.replica = replica
+    else:
+        instance.start(backing, model=model)
     module_globals = original.__globals__
     stand_in = _ZerosFromReservation(module_globals["torch"], raw, geometry.calls)
 

@@ -20,6 +20,7 @@ from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache
 from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
+from kvcached.replay import RecordingBackend
 
 log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
@@ -31,6 +32,11 @@ _current: VllmInstance | None = None
 planned_blocks: int | None = None
 #: the model the engine core serves (names the ledger row)
 planned_model: str | None = None
+#: the engine core's executor, while it sizes the pool (to reach the workers)
+executor: Any = None
+#: in a worker of a tensor-parallel engine: its replica, and the ops it starts with
+replica: Any = None
+replica_ops: tuple[int, list[Any]] | None = None
 
 
 def instance_name(model: str | None) -> str:
@@ -53,9 +59,18 @@ def instance_limit(budget: int) -> int | None:
 class VllmInstance:
     """A vLLM engine's `KVCache`: its allocator, ledger row and pinned null block."""
 
-    def __init__(self, backing: BackingBuffer, *, name: str) -> None:
+    def __init__(self, backing: BackingBuffer, *, name: str, copies: int = 1) -> None:
         self.backing = backing
-        self.cache = KVCache(layout=backing, name=name, engine="vllm")
+        recording = backing.backend if isinstance(backing.backend, RecordingBackend) else None
+        self.recording = recording
+        self.cache = KVCache(
+            layout=backing,
+            name=name,
+            engine="vllm",
+            backend=backing.backend,
+            charge_scale=copies,
+            before_refund=None if recording is None else recording.wait_applied,
+        )
         try:
             limit = instance_limit(self.cache.ledger.budget)
             if limit is not None:
@@ -81,19 +96,22 @@ class VllmInstance:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.recording is not None:
+                self.recording.abandon()  # the workers are gone or going
             self.cache.close()
 
     def __repr__(self) -> str:
         return f"VllmInstance({self.name}, {self.allocator!r})"
 
 
-def start(backing: BackingBuffer, *, model: str | None) -> VllmInstance:
-    """Create this process's instance over `backing` (replacing an earlier one)."""
+def start(backing: BackingBuffer, *, model: str | None, copies: int = 1) -> VllmInstance:
+    """Create this process's instance over `backing` (replacing an earlier one);
+    `copies` processes hold its memory (tensor-parallel ranks replaying it)."""
     global _current
     with _lock:
         if _current is not None:
             _current.close()
-        _current = VllmInstance(backing, name=instance_name(model))
+        _current = VllmInstance(backing, name=instance_name(model), copies=copies)
         log.info("kvcached: %s, %r", _current.name, backing)
         return _current
 
@@ -102,21 +120,30 @@ def current() -> VllmInstance | None:
     return _current
 
 
+def recorder() -> RecordingBackend | None:
+    """The op log of this process's instance when workers replay it, else None."""
+    found = _current
+    return None if found is None or found.closed else found.recording
+
+
 def close() -> None:
     """Close this process's instance: pages unmapped, ledger row removed. Idempotent."""
-    global _current
+    global _current, replica
     with _lock:
         if _current is not None:
             _current.close()
             _current = None
+        if replica is not None:
+            replica.close()
+            replica = None
 
 
 def require() -> VllmInstance:
     found = _current
     if found is None or found.closed:
         raise RuntimeError(
-            "kvcached: vLLM built its block pool in a process where no kvcached KV buffer "
-            "was allocated; the scheduler and the worker must share one process (tensor "
-            "parallel size 1). Unset ENABLE_KVCACHED to run without kvcached."
+            "kvcached: vLLM built its block pool before kvcached sized it (the engine "
+            "core's KV initialisation did not run through the adapter). Unset "
+            "ENABLE_KVCACHED to run without kvcached."
         )
     return found

@@ -64,6 +64,9 @@ def closes_kvcached_first(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _upkeep_due(engine: Any, idle_for: float) -> bool:
+    recording = instance.recorder()
+    if recording is not None and recording.pending:
+        return True  # releases wait for the workers to replay them
     found = instance.current()
     queue = getattr(getattr(found, "pool", None), "free_block_queue", None)
     if queue is None or not queue._retained:
@@ -84,12 +87,15 @@ def _watch(engine: Any) -> None:
     has_work = getattr(engine, "has_work", None)
 
     def upkeep(_engine: Any = None) -> None:  # vLLM passes the engine to its callbacks
+        from kvcached.engines.vllm.replay import flush_while_idle
+
         found = instance.current()
         pool = getattr(found, "pool", None)
         if pool is None:
             return
         try:
             evicted = pool.free_block_queue.idle_upkeep(idle_for)
+            flush_while_idle(engine)
         except Exception:  # upkeep must never take the engine down; it retries next tick
             log.exception("kvcached: idle upkeep failed")
             return

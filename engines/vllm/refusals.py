@@ -20,12 +20,14 @@ class Refused(RuntimeError):
 def check(vllm_config: Any, kv_cache_specs: list[dict[str, Any]]) -> list[Any]:
     """Raise `Refused` for an unsupported configuration; return the layers' KV specs."""
     parallel = vllm_config.parallel_config
-    if len(kv_cache_specs) != 1 or getattr(parallel, "world_size", 1) != 1:
+    if getattr(parallel, "pipeline_parallel_size", 1) != 1:
         raise Refused(
-            f"tensor_parallel_size={parallel.tensor_parallel_size} and pipeline_parallel_size="
-            f"{parallel.pipeline_parallel_size} are not supported yet; the adapter serves one "
-            "worker (tensor and pipeline parallel size 1)"
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported yet; "
+            "the adapter serves tensor parallelism (any tensor_parallel_size) with "
+            "pipeline_parallel_size=1"
         )
+    if len({tuple(sorted(specs)) for specs in kv_cache_specs}) != 1:
+        raise Refused("the workers hold different layers; every rank must hold every layer")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise Refused(
             "kv_transfer_config (KV connectors, prefill/decode disaggregation) is not "

@@ -45,6 +45,22 @@ def _allocation(name: str) -> Callable[[Any], Any]:
     return replace
 
 
+def _replay(name: str) -> Callable[[Any], Any]:
+    def replace(original: Any) -> Any:
+        from kvcached.engines.vllm import replay
+
+        wrapper: Callable[[Any], Any] = getattr(replay, name)
+        return wrapper(original)
+
+    return replace
+
+
+def _executor(original: Any) -> Any:
+    from kvcached.engines.vllm.sizing import remembers_executor
+
+    return remembers_executor(original)
+
+
 def _block_pool(original: Any) -> Any:
     from kvcached.engines.vllm.block_pool import elastic_block_pool
 
@@ -103,6 +119,31 @@ SHIMS: tuple[Shim, ...] = (
         "vllm.v1.engine.core:get_kv_cache_configs",
         ("0.26", "0.32"),
         _sizing,
+    ),
+    Shim(
+        "block-pool size (reaching the workers)",
+        "vllm.v1.engine.core:EngineCore._initialize_kv_caches",
+        ("0.26", "0.32"),
+        _executor,
+    ),
+    # tensor parallel: the scheduler's decisions reach every worker with each step
+    Shim(
+        "replay: ops ride on the scheduler output",
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        ("0.26", "0.32"),
+        _replay("attaches_ops"),
+    ),
+    Shim(
+        "replay: a finished step acknowledges its ops",
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        ("0.26", "0.32"),
+        _replay("acknowledges_ops"),
+    ),
+    Shim(
+        "replay: workers apply the ops before the model runs",
+        "vllm.v1.worker.gpu_worker:Worker.execute_model",
+        ("0.26", "0.32"),
+        _replay("applies_ops"),
     ),
     # scheduler side: the free-block count follows what kvcached can supply
     Shim(

@@ -36,6 +36,46 @@ def plan_blocks(page_bytes: int, num_layers: int, granularity: int, budget: int)
     return max(multiple, count // multiple * multiple)
 
 
+def _start_scheduler_instance(backend: Any, kv_cache_config: Any, copies: int) -> None:
+    """Tensor parallel: the scheduler's instance records its decisions; the workers,
+    told the plan and the null block's first ops, replay them (replay.py)."""
+    from kvcached.backing import BackingBuffer
+    from kvcached.engines.vllm.allocation import geometry_of
+    from kvcached.engines.vllm.replay import plan_on_worker
+    from kvcached.replay import RecordingBackend
+
+    executor = instance.executor
+    if executor is None:
+        raise refusals.Refused("the engine core's executor is out of the adapter's reach")
+    recording = RecordingBackend.standing_in_for(backend)
+    geometry = geometry_of(kv_cache_config, recording.granularity)
+    backing = BackingBuffer(
+        recording,
+        nbytes=geometry.nbytes,
+        num_blocks=geometry.num_blocks,
+        block_bytes=geometry.block_bytes,
+        segment_offsets=geometry.segment_offsets,
+        name="vllm-kv",
+    )
+    instance.start(backing, model=instance.planned_model, copies=copies)
+    first, ops = recording.take()
+    executor.collective_rpc(plan_on_worker, args=(instance.planned_blocks, first, ops))
+
+
+def remembers_executor(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`EngineCore._initialize_kv_caches`: sizing may need to reach the workers."""
+
+    @functools.wraps(original)
+    def initialize_kv_caches(self: Any, *args: Any, **kwargs: Any) -> Any:
+        instance.executor = self.model_executor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            instance.executor = None
+
+    return initialize_kv_caches
+
+
 def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_kv_cache_configs(
@@ -60,12 +100,15 @@ def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"{math.lcm(granularity, page)} bytes), which vLLM's null block needs; "
                 "give at least that"
             )
-        blocks = plan_blocks(page, layers, granularity, budget)
+        copies = len(kv_cache_specs)  # one copy of the KV slice per rank
+        blocks = plan_blocks(page, layers, granularity, budget // copies)
         vllm_config.cache_config.num_gpu_blocks_override = blocks
         memory = [blocks * page * len(worker) for worker in kv_cache_specs]
         configs = original(vllm_config, kv_cache_specs, memory)
         instance.planned_blocks = int(configs[0].num_blocks)
         instance.planned_model = getattr(vllm_config.model_config, "model", None)
+        if copies > 1:
+            _start_scheduler_instance(backend, configs[0], copies)
         log.info(
             "kvcached: %d virtual KV blocks (%d bytes each) over a %d-byte device budget",
             instance.planned_blocks,
