@@ -73,7 +73,7 @@ def run(
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["stderr"] = done.stderr
+    result["stderr"] = done.stdout + done.stderr  # vLLM logs to stdout
     return result
 
 
