@@ -48,7 +48,14 @@ from bisect import bisect_right, insort
 from collections.abc import Sequence
 from typing import Any
 
-from kvcached.backend import Backend, Capabilities, Page, Reservation, dtype_name
+from kvcached.backend import (
+    Backend,
+    Capabilities,
+    Page,
+    Reservation,
+    dtype_itemsize,
+    dtype_name,
+)
 from kvcached.config import parse_size, settings
 from kvcached.errors import BackendUnavailable, InvalidArgument, OutOfMemory
 
@@ -89,6 +96,17 @@ def zero_copy_unavailable_reason() -> str | None:
     except Exception as exc:
         return f"MLX copies external memory on this machine ({type(exc).__name__}: {exc})"
     return None
+
+
+def array_page_bytes(shape: Sequence[int], dtype: Any) -> int:
+    """Bytes of the page `MlxBackend.create_array(shape, dtype)` creates."""
+    dims = tuple(int(d) for d in shape)
+    if not dims or any(d <= 0 for d in dims):
+        raise InvalidArgument(f"array shape must be positive dimensions, got {shape!r}")
+    count = 1
+    for d in dims:
+        count *= d
+    return -(-count * dtype_itemsize(dtype) // GRANULARITY) * GRANULARITY
 
 
 class MlxBuffer:
@@ -160,6 +178,7 @@ class MlxBackend(Backend):
             else parse_size(requested, total=self._total, what="KVCACHED_MLX_BUDGET")
         )
         self._lock = threading.Lock()
+        self._typed = threading.local()  # the (shape, dtype) `create_array` asks for
         self._next_address = _FIRST_ADDRESS
         self._used = 0
         self._starts: list[int] = []  # addresses where a mapping starts, sorted
@@ -253,16 +272,36 @@ class MlxBackend(Backend):
                 self._used -= nbytes
             raise
 
+    def create_array(self, shape: Sequence[int], dtype: Any) -> Page:
+        """A page holding one zeroed MLX array of `shape` and `dtype`, its size rounded
+        up to the granularity (the rounding is charged, and stays unused). An engine
+        cache stores K or V in it directly: no flat buffer is kept beside it, so slice
+        updates of `page.handle.array` stay in place."""
+        dims = tuple(int(d) for d in shape)
+        nbytes = array_page_bytes(dims, dtype)
+        self._typed.request = (dims, dtype_name(dtype))
+        try:
+            return self.create(nbytes)
+        finally:
+            self._typed.request = None
+
     def _new_buffer(self, nbytes: int) -> MlxBuffer:
         mx = _mx()
+        request = getattr(self._typed, "request", None)
+        shape, dtype = request if request is not None else ((nbytes,), "uint8")
         if self.zero_copy:
             import numpy as np
 
             region = mmap.mmap(-1, nbytes)  # page-aligned: 16 KiB on Apple silicon
-            array = mx.asarray(np.frombuffer(region, dtype=np.uint8), copy=False)
+            flat = mx.asarray(np.frombuffer(region, dtype=np.uint8), copy=False)
+            count = 1
+            for d in shape:
+                count *= d
+            itemsize = dtype_itemsize(dtype)
+            array = flat[: count * itemsize].view(getattr(mx, dtype)).reshape(shape)
             return MlxBuffer(array, nbytes, region)
         try:
-            array = mx.zeros((nbytes,), dtype=mx.uint8)
+            array = mx.zeros(shape, dtype=getattr(mx, dtype))
             mx.eval(array)
         except (MemoryError, RuntimeError) as exc:
             raise OutOfMemory(f"MLX could not allocate {nbytes} bytes: {exc}") from None
