@@ -167,6 +167,24 @@ def demo(
     run_demo(config, out=Path(out))
 
 
+@app.command("serve-mlx")
+def serve_mlx(
+    models: Annotated[list[str], typer.Argument(help="mlx-lm model folders, one per model.")],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to bind.")] = 8080,
+    keep_alive: Annotated[
+        float, typer.Option(min=0, help="Seconds a model may idle before its weights unload.")
+    ] = 300.0,
+    budget: Annotated[
+        str | None, typer.Option(help="Device budget if this creates the ledger, e.g. 8GiB.")
+    ] = None,
+) -> None:
+    """Serve several mlx-lm models behind one OpenAI-compatible endpoint, one budget."""
+    from kvcached.engines.mlx_lm.serve import serve
+
+    serve(models, host=host, port=port, keep_alive_s=keep_alive, budget=budget)
+
+
 def main() -> None:
     try:
         app()
