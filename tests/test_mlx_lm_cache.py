@@ -126,6 +126,40 @@ def test_batched_greedy_tokens_equal_mlx_lm_batch_cache(model: Any, pool: KVPool
     assert pool.held_bytes == 0  # finished sequences gave every byte back
 
 
+def staggered_batch_tokens(model: Any, make: Any) -> dict[int, list[int]]:
+    """Rows that finish at different steps (the batch is filtered) and a request that
+    joins a running batch (the batches are extended)."""
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=2)
+    prompts = [encode(model, text) for text in PROMPTS]
+    lengths = [12, 30, 20]
+    first = generator.insert(prompts[:2], max_tokens=lengths[:2], caches=make(2))
+    out: dict[int, list[int]] = {}
+    later: list[int] = []
+    finished: set[int] = set()
+    steps = 0
+    while len(finished) < len(lengths):
+        for response in generator.next_generated():
+            out.setdefault(response.uid, []).append(int(response.token))
+            if response.finish_reason is not None:
+                finished.add(response.uid)
+        steps += 1
+        if steps == 5:
+            later = generator.insert(prompts[2:], max_tokens=lengths[2:], caches=make(1))
+    generator.close()
+    return {i: out[uid] for i, uid in enumerate(first + later)}
+
+
+def test_batched_rows_that_finish_early_and_join_late_keep_tokens_equal(
+    model: Any, pool: KVPool
+) -> None:
+    expected = staggered_batch_tokens(model, lambda n: None)
+    ours = staggered_batch_tokens(model, lambda n: [pool.make_cache(model) for _ in range(n)])
+    assert ours == expected
+    assert [len(tokens) for tokens in expected.values()] == [12, 30, 20]
+    gc.collect()
+    assert pool.held_bytes == 0
+
+
 def test_batched_cache_installed_as_model_make_cache(model: Any, pool: KVPool) -> None:
     n = 24
     expected = batch_tokens(model, None, n)
@@ -193,3 +227,28 @@ def test_dropped_cache_returns_its_memory_when_collected(model: Any, pool: KVPoo
     del cache
     gc.collect()
     assert pool.held_bytes == 0 and row(pool).used == 0
+
+
+def test_growth_relocates_one_layer_at_a_time_not_all_at_once(model: Any, pool: KVPool) -> None:
+    """Regression: a relocation left lazy kept every layer's old run alive until the
+    forward pass was evaluated, next to the new runs (allocated eagerly): the peak was
+    twice the KV. Copied and evaluated at once, only one layer is doubled at a time."""
+    prompt = encode(model, PROMPTS[1])
+    cache = pool.make_cache(model)
+    greedy(model, prompt, cache, 250)  # one run of 256 tokens per layer, nearly full
+    assert pool.stats["relocations"] == 0
+    old_total = pool.held_bytes
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    greedy(model, [5], cache, 20)  # crosses 256: every layer moves to a 512-token run
+    assert pool.stats["relocations"] == len(model.layers)
+    new_total = pool.held_bytes
+    growth_peak = mx.get_peak_memory() - before
+    one_layer_old = old_total // len(model.layers)
+    all_layers_old = old_total
+    slack = 64 << 10  # activations of a tiny model
+    assert growth_peak <= new_total - old_total + one_layer_old + slack
+    assert new_total - old_total + all_layers_old > new_total - old_total + one_layer_old + slack
+    pool.release(cache)

@@ -77,6 +77,15 @@ class _Run:
         self.values_page.handle.array[..., start:end, :] = values
 
 
+def _copy_now(new: _Run, old: _Run, tokens: int) -> None:
+    """Copy the first `tokens` of `old` into `new` and evaluate it at once, so `old` can
+    be released now. Left lazy, every layer's old run would live until the forward
+    pass is evaluated, next to its new one: twice the KV at the peak instead of one
+    layer's worth more (the new run was allocated when it was created, not lazily)."""
+    new.write(0, old.keys[..., :tokens, :], old.values[..., :tokens, :])
+    _mx().eval(new.keys, new.values)
+
+
 def _release_pages(pool_ref: weakref.ref[KVPool], pages: list[Page]) -> None:
     """Finalizer of a cache: give its pages back even if nobody called release()."""
     pool = pool_ref()
@@ -177,7 +186,7 @@ class ElasticKVCache(_RunHolder):
         run = self._new_run(keys, values, keys.shape[0], capacity)
         old = self._run
         if old is not None and self.offset:  # past the capacity asked for: one copy
-            run.write(0, old.keys[..., : self.offset, :], old.values[..., : self.offset, :])
+            _copy_now(run, old, self.offset)
             self.pool.stats["relocations"] += 1
         self._install(run)
         return run
@@ -227,10 +236,6 @@ class ElasticKVCache(_RunHolder):
         self._install(run)
         self.offset = offset
 
-    @property
-    def meta_state(self) -> str:
-        return str(self.capacity_hint or 0)
-
     def __deepcopy__(self, memo: dict[int, Any]) -> ElasticKVCache:
         """A copy with its own run in the same pool (mlx-lm deep-copies prompt caches)."""
         copied = ElasticKVCache(self.pool, self.capacity_hint)
@@ -265,8 +270,7 @@ class ElasticBatchKVCache(_RunHolder):
             capacity = -(-end // self.pool.step) * self.pool.step
             run = self._new_run(keys, values, keys.shape[0], capacity)
             if self._run is not None and prev:
-                old = self._run
-                run.write(0, old.keys[..., :prev, :], old.values[..., :prev, :])
+                _copy_now(run, self._run, prev)
                 self.pool.stats["relocations"] += 1
             self._install(run)
         run.write(prev, keys, values)
