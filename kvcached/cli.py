@@ -132,7 +132,10 @@ def conformance(
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
     console.print(f"kvcached conformance suite on backend [bold]{name}[/]")
-    args = ["--pyargs", "kvcached.conformance", f"--kvcached-backend={name}", "-q", *ctx.args]
+    # -rs: a check reported not applicable by capability prints its reason
+    args = [
+        "--pyargs", "kvcached.conformance", f"--kvcached-backend={name}", "-q", "-rs", *ctx.args,
+    ]  # fmt: skip
     raise typer.Exit(code=int(pytest.main(args)))
 
 

@@ -1,8 +1,8 @@
 """`KVPool`: one model instance's KV memory on the mlx backend, one row in the ledger.
 
-Create one per loaded model. It opens the device ledger of the mlx backend (creating
-it with the device budget: `budget=`, else KVCACHED_BUDGET, else all of the device's
-memory), registers the instance's row (`kvctl list` shows it, `kvctl limit NAME`
+Create one per loaded model. It opens the device ledger of the mlx backend, key
+`mlx-0` (creating it with the device budget: `budget=`, else KVCACHED_BUDGET, else all
+of the device's memory), registers the instance's row (`kvctl list` shows it, `kvctl limit NAME`
 bounds it), and hands out caches whose runs it charges there (`ChargedPages`).
 """
 
@@ -65,9 +65,9 @@ class KVPool(Closeable):
         device_budget = (
             total if requested is None else parse_size(requested, total=total, what="budget")
         )
-        self.ledger = Ledger.open(
-            ledger_key(self.backend.name, self.backend.device), budget=device_budget
-        )
+        # MLX drives one device per machine: ordinal 0, the key kvctl/kvtop compute for
+        # `--backend mlx` (KVCACHED_DEVICE defaults to 0), on Metal and on the CPU alike.
+        self.ledger = Ledger.open(ledger_key(self.backend.name, 0), budget=device_budget)
         self._closed = False
         try:
             self.account = self.ledger.register(name, engine, limit)
