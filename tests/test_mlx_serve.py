@@ -154,6 +154,19 @@ def test_chat_and_plain_completions_answer(running: Running) -> None:
     assert plain.usage is not None and 0 < plain.usage.completion_tokens <= 8
 
 
+def test_kv_the_budget_refuses_is_a_503_that_holds_nothing(running: Running) -> None:
+    row = running.rows()["serve-mlx/alpha"]
+    running.server.models["alpha"].pool.set_limit(row.reserved + (256 << 10))  # weights + 256 KiB
+    client = running.client.with_options(max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError, match="stop admitting or preempt") as caught:
+            client.completions.create(model="alpha", prompt="dog", max_tokens=4000, stream=stream)
+        assert caught.value.status_code == 503
+        assert running.rows()["serve-mlx/alpha"].reserved == row.reserved  # nothing held
+    small = client.completions.create(model="alpha", prompt="dog", max_tokens=4)
+    assert small.usage is not None and small.usage.completion_tokens > 0  # what fits runs
+
+
 def test_unknown_model_is_a_404_listing_the_served_models(running: Running) -> None:
     with pytest.raises(openai.NotFoundError, match="served models: alpha, beta"):
         running.client.completions.create(model="gamma", prompt="hi", max_tokens=4)

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcached.engines.mlx_lm.cache import KVCacheExhausted
 from kvcached.engines.mlx_lm.pool import KVPool
 from kvcached.errors import InvalidArgument, KVCachedError, OutOfMemory
 
@@ -70,28 +69,43 @@ class ServedModel:
     def ensure_loaded(self) -> None:
         """Load the weights (charging them to the row) unless they are loaded."""
         with self.lock:
-            if self.model is not None:
-                return
-            import mlx.core as mx
-            import mlx_lm
-            from mlx import utils
+            self._load_locked()
 
-            load: Any = mlx_lm.load
-            flatten: Any = utils.tree_flatten
-            with _MLX_LOCK:
-                model, tokenizer = load(self.path)
-                nbytes = sum(int(v.nbytes) for _, v in flatten(model.parameters()))
-            if not self.pool.account.try_charge(nbytes):
-                del model
-                gc.collect()
-                mx.clear_cache()
-                totals = self.pool.ledger.totals()
-                raise ModelDoesNotFit(
-                    f"model {self.name!r} needs {nbytes} bytes of weights, but the budget "
-                    f"has {totals.free} of {totals.budget} bytes free (raise "
-                    "KVCACHED_BUDGET or `kvctl budget`, or the model's `kvctl limit`)"
-                )
-            self.model, self.tokenizer, self.weight_bytes = model, tokenizer, nbytes
+    def acquire(self) -> None:
+        """Load if needed and count one running request, atomically: the keep-alive
+        reaper never unloads a model between its load and its use."""
+        with self.lock:
+            self._load_locked()
+            self.active += 1
+
+    def done(self) -> None:
+        with self.lock:
+            self.active -= 1
+            self.last_used = time.monotonic()
+
+    def _load_locked(self) -> None:
+        if self.model is not None:
+            return
+        import mlx.core as mx
+        import mlx_lm
+        from mlx import utils
+
+        load: Any = mlx_lm.load
+        flatten: Any = utils.tree_flatten
+        with _MLX_LOCK:
+            model, tokenizer = load(self.path)
+            nbytes = sum(int(v.nbytes) for _, v in flatten(model.parameters()))
+        if not self.pool.account.try_charge(nbytes):
+            del model
+            gc.collect()
+            mx.clear_cache()
+            totals = self.pool.ledger.totals()
+            raise ModelDoesNotFit(
+                f"model {self.name!r} needs {nbytes} bytes of weights, but the budget "
+                f"has {totals.free} of {totals.budget} bytes free (raise "
+                "KVCACHED_BUDGET or `kvctl budget`, or the model's `kvctl limit`)"
+            )
+        self.model, self.tokenizer, self.weight_bytes = model, tokenizer, nbytes
 
     def unload(self) -> bool:
         """Drop the weights if no request runs; True when they were dropped."""
@@ -161,8 +175,7 @@ class MultiModelServer:
         The request runs in a thread of its own from start to end: mlx-lm's generator
         enters an MLX stream context, which must be left in the thread that entered
         it, while an HTTP stream is consumed from whichever worker thread is free."""
-        served.ensure_loaded()
-        served.active += 1
+        served.acquire()
         out: queue.Queue[tuple[int, str | None] | BaseException | None] = queue.Queue(16)
         cancelled = threading.Event()
         worker = threading.Thread(
@@ -230,8 +243,7 @@ class MultiModelServer:
                 served.pool.release(cache)
                 del cache
                 mx.clear_cache()
-            served.active -= 1
-            served.last_used = time.monotonic()
+            served.done()
 
     def _reap(self) -> None:
         while not self._stop.wait(min(1.0, max(self.keep_alive_s / 4, 0.05))):
@@ -311,7 +323,7 @@ def build_app(server: MultiModelServer) -> Any:
             return StreamingResponse(_sse(events), media_type="text/event-stream")
         try:
             generated = await run_in_threadpool(list, tokens)
-        except KVCacheExhausted as exc:
+        except OutOfMemory as exc:  # KV refused, or a reload that no longer fits
             return _error(503, str(exc), "insufficient_budget")
         ids = [t for t, _ in generated]
         reason = generated[-1][1] if generated else "length"
@@ -355,10 +367,10 @@ def build_app(server: MultiModelServer) -> Any:
 
 
 def _first(tokens: Iterator[tuple[int, str | None]]) -> Any:
-    """The first token, or the KVCacheExhausted that stopped it (before any byte is sent)."""
+    """The first token, or the OutOfMemory that stopped it (before any byte is sent)."""
     try:
         return next(tokens, None)
-    except KVCacheExhausted as exc:
+    except OutOfMemory as exc:
         return exc
 
 
