@@ -30,7 +30,7 @@ from kvcached.engines.mlx_lm import (
     save_prompt_cache,
 )
 from kvcached.engines.mlx_lm.tiny import build_model
-from kvcached.ledger import Ledger, ledger_key
+from kvcached.ledger import Ledger
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -66,7 +66,7 @@ def greedy(model: Any, prompt: list[int], cache: list[Any], n: int) -> list[int]
 
 
 def row(pool: KVPool) -> Any:
-    ledger = Ledger.open(ledger_key(pool.backend.name, pool.backend.device))
+    ledger = Ledger.open(pool.ledger.key, create=False)  # a reader of its own, like kvctl
     try:
         return next(r for r in ledger.rows() if r.name == pool.name)
     finally:
