@@ -40,10 +40,10 @@ def backend_factory(request: pytest.FixtureRequest) -> Callable[..., Backend]:
 @pytest.fixture
 def exhaustible_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """A backend whose physical memory the suite may fill. On the host that would be
-    the machine's RAM, so the host backend gets a 256 MiB budget of its own; a device
-    backend is filled for real."""
+    the machine's RAM, so the host and mlx backends get a 256 MiB budget of their
+    own; a device backend is filled for real."""
     cls = _backend_class(request.config)
-    kwargs: dict[str, Any] = {"budget": 256 << 20} if cls.name == "host" else {}
+    kwargs: dict[str, Any] = {"budget": 256 << 20} if cls.name in {"host", "mlx"} else {}
     instance = cls(**kwargs)
     yield instance
     instance.close()

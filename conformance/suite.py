@@ -48,6 +48,7 @@ from typing import Any
 import pytest
 
 from kvcached.backend import Backend
+from kvcached.conformance.capabilities import CapabilityGate, fill_bytes, read_bytes
 from kvcached.errors import InvalidArgument, OutOfMemory
 
 MiB = 1 << 20
@@ -71,7 +72,7 @@ def _covered_by_process_maps(address: int, nbytes: int) -> bool:
     return False
 
 
-class ConformanceSuite:
+class ConformanceSuite(CapabilityGate):
     """Checks shared by every backend. Fixtures to provide: `backend_factory`, and
     optionally `exhaustible_backend` (a backend whose device can be filled safely)."""
 
@@ -124,11 +125,15 @@ class ConformanceSuite:
         """Write `value` (0..255) into every byte of [offset, offset + nbytes), and wait
         for the write: tests unmap right after, and unmapping under a running kernel
         is the caller's bug (see Backend.unmap)."""
+        if not backend.capabilities.writable_views:
+            return fill_bytes(backend, reservation, offset, nbytes, value)
         backend.view(reservation, offset, (nbytes,), "uint8").fill_(value)
         self.synchronize(backend)
 
     def read(self, backend: Backend, reservation: Any, offset: int, nbytes: int) -> set[int]:
         """The set of distinct byte values in [offset, offset + nbytes)."""
+        if not backend.capabilities.writable_views:
+            return read_bytes(backend, reservation, offset, nbytes)
         import torch
 
         data = backend.view(reservation, offset, (nbytes,), "uint8")

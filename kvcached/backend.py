@@ -41,6 +41,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from kvcached.errors import InvalidArgument, OutOfMemory
@@ -51,6 +52,28 @@ MAX_BYTES = (1 << 63) - 1
 
 MappingRequest = tuple[int, "Page"]
 UnmapRequest = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond the seam's minimum, declared rather than discovered.
+
+    A VMM backend (cuda, rocm, host) has every one. A backend without a VMM (mlx)
+    declares what it lacks, and whoever depends on a capability asks here first: the
+    conformance suite reports the checks that need a missing capability as not
+    applicable, naming it, instead of running them or skipping them unannounced.
+    """
+
+    #: A view may cover several mappings, and bytes not mapped yet (a VMM's virtual range).
+    views_span_mappings: bool = True
+    #: Writes through a view reach the mapped page (views alias the memory, writably).
+    writable_views: bool = True
+    #: `mem_info` sees memory that other processes hold, not only this process's.
+    device_wide_mem_info: bool = True
+
+    def missing(self) -> list[str]:
+        """Names of the capabilities this backend lacks."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is False]
 
 
 class Reservation(Closeable):
@@ -139,6 +162,8 @@ class Backend(Closeable, ABC):
 
     #: Registry name, as used by KVCACHED_BACKEND and the `kvcached.backends` entry points.
     name: ClassVar[str]
+    #: What this backend can do beyond the minimum (see `Capabilities`).
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, *, memory_limit: int | None = None) -> None:
         """`memory_limit` caps the physical bytes this instance may hold at once (on top

@@ -138,7 +138,10 @@ def conformance(
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
     console.print(f"kvcached conformance suite on backend [bold]{name}[/]")
-    args = ["--pyargs", "kvcached.conformance", f"--kvcached-backend={name}", "-q", *ctx.args]
+    # -rs: a check reported not applicable by capability prints its reason
+    args = [
+        "--pyargs", "kvcached.conformance", f"--kvcached-backend={name}", "-q", "-rs", *ctx.args,
+    ]  # fmt: skip
     raise typer.Exit(code=int(pytest.main(args)))
 
 
@@ -176,6 +179,24 @@ def demo(
     except KeyboardInterrupt:
         console.print("demo interrupted; workers stopped, temporary ledger removed")
         raise typer.Exit(code=130) from None
+
+
+@app.command("serve-mlx")
+def serve_mlx(
+    models: Annotated[list[str], typer.Argument(help="mlx-lm model folders, one per model.")],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to bind.")] = 8080,
+    keep_alive: Annotated[
+        float, typer.Option(min=0, help="Seconds a model may idle before its weights unload.")
+    ] = 300.0,
+    budget: Annotated[
+        str | None, typer.Option(help="Device budget if this creates the ledger, e.g. 8GiB.")
+    ] = None,
+) -> None:
+    """Serve several mlx-lm models behind one OpenAI-compatible endpoint, one budget."""
+    from kvcached.engines.mlx_lm.serve import serve
+
+    serve(models, host=host, port=port, keep_alive_s=keep_alive, budget=budget)
 
 
 def main() -> None:

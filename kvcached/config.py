@@ -151,6 +151,16 @@ def _settings_class() -> type[BaseSettings]:
             default="2MiB",
             description="Page granularity of the host backend (a multiple of the OS page).",
         )
+        mlx_budget: str | None = Field(
+            default=None,
+            description="Physical memory the mlx backend may create: a size or a "
+            "percentage of the machine's memory. Default: all of it.",
+        )
+        mlx_zero_copy: bool = Field(
+            default=False,
+            description="mlx backend: build pages over kvcached's own 16 KiB-aligned mmap "
+            "region without a copy (needs Metal; refused where MLX must copy, e.g. Linux).",
+        )
         extent_size: str = Field(
             default="32MiB",
             description="Physical page size the allocator grows by, per layer buffer (K or "

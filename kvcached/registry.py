@@ -92,7 +92,7 @@ def resolve_name(requested: str | None = None) -> str:
             cls = backend_class(candidate)
         except InvalidArgument:
             continue
-        if cls.unavailable_reason() is None and cls.auto_selectable():
+        if cls.auto_selectable() and cls.unavailable_reason() is None:
             return candidate
     raise BackendUnavailable(f"no kvcached backend is available; reasons: {availability()}")
 
