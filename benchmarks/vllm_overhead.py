@@ -11,7 +11,7 @@ in-process engine core, all prompts queued before the first step, prefix caching
 
     python benchmarks/vllm_overhead.py MODEL [--repeats 3] [--runners v1,v2]
         [--prompts 256] [--prompt-len 128] [--max-tokens 128] [--gpu-mem 0.5]
-        [--budget 60GiB] [--token-max 20000] [--out results.jsonl]
+        [--budget 60GiB] [--token-max 20000] [--tp 1] [--out results.jsonl]
 
 `--runners v1,v2` selects vLLM 0.26's Model Runner V1 or V2 (VLLM_USE_V2_MODEL_RUNNER);
 on vLLM-CPU pass `--runners cpu --eager --dtype float32`.
@@ -44,6 +44,7 @@ def child(a: argparse.Namespace) -> None:
         enable_prefix_caching=False,
         enforce_eager=a.eager,
         max_model_len=a.max_model_len,
+        tensor_parallel_size=a.tp,
         **options,
     )
     startup = time.perf_counter() - started
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--budget", default="60GiB", help="KVCACHED_BUDGET of the kvcached runs")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (2 on 2 GPUs)")
     ap.add_argument("--token-max", type=int, default=20000, help="prompt token ids below this")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -108,7 +110,7 @@ def main() -> None:
     forwarded = [a.model, "--child", "--prompts", str(a.prompts), "--prompt-len",
                  str(a.prompt_len), "--max-tokens", str(a.max_tokens), "--max-model-len",
                  str(a.max_model_len), "--gpu-mem", str(a.gpu_mem), "--dtype", a.dtype,
-                 "--token-max", str(a.token_max)]  # fmt: skip
+                 "--token-max", str(a.token_max), "--tp", str(a.tp)]  # fmt: skip
     if a.eager:
         forwarded.append("--eager")
     out = open(a.out, "a") if a.out else None  # noqa: SIM115

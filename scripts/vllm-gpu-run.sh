@@ -21,4 +21,6 @@ mkdir -p "$KVCACHED_LEDGER_DIR"
 cd /tmp
 runners=$(IFS=,; echo "${*:-v1}")
 python3 "$repo/benchmarks/vllm_overhead.py" /tmp/m-q06 --repeats "${REPEATS:-3}" \
-    --runners "$runners" --out "$out/vllm_overhead.jsonl" 2>&1 | tee "$out/vllm_overhead.log"
+    --runners "$runners" --tp "${TP:-1}" --out "$out/vllm_overhead.jsonl" 2>&1 | tee "$out/vllm_overhead.log"
+# On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
+#   TP=2 bash scripts/vllm-gpu-run.sh v1
