@@ -39,15 +39,21 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _NUMBER_WIDTH = 6  # a short size ("12.5G") and room for the over-limit mark ("!")
 
 
-def format_bytes(nbytes: int | None) -> str:
-    """'1.50 GiB', '512 MiB', '12.5 GiB'; '-' for None."""
-    if nbytes is None:
-        return "-"
+def _scaled(nbytes: int) -> tuple[float, str]:
+    """`nbytes` in the largest binary unit that keeps it under 1024."""
     value = float(nbytes)
     for unit in _UNITS:
         if abs(value) < 1024 or unit == _UNITS[-1]:
             break
         value /= 1024
+    return value, unit
+
+
+def format_bytes(nbytes: int | None) -> str:
+    """'1.50 GiB', '512 MiB', '12.5 GiB'; '-' for None."""
+    if nbytes is None:
+        return "-"
+    value, unit = _scaled(nbytes)
     if unit == "B" or abs(value) >= 100:
         return f"{value:.0f} {unit}"
     return f"{value:.1f} {unit}" if abs(value) >= 10 else f"{value:.2f} {unit}"
@@ -57,11 +63,7 @@ def format_bytes_short(nbytes: int | None) -> str:
     """At most five characters: '512M', '1.50G', '12.5G', '140G', '0B'; '-' for None."""
     if nbytes is None:
         return "-"
-    value = float(nbytes)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            break
-        value /= 1024
+    value, unit = _scaled(nbytes)
     letter = unit[0]
     if unit == "B" or abs(value) >= 100:
         return f"{value:.0f}{letter}"

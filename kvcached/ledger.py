@@ -261,16 +261,9 @@ def process_start_time(pid: int) -> int | None:
         except PermissionError:
             return 0
         return 0
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    data = _read_stat(f"/proc/{pid}/stat")
+    if data is None:
         return None
-    try:
-        data = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     # The command name (field 2) is in parentheses and may itself contain ") ", so the
     # fields are counted from the last ')'. After it come field 3 (state) onwards.
     fields = data[data.rfind(b")") + 2 :].split()
@@ -284,17 +277,24 @@ def process_start_time(pid: int) -> int | None:
 _EXITED = (b"Z", b"X", b"x")  # /proc states of a task that has finished exiting
 
 
-def _task_state(path: str) -> bytes | None:
+def _read_stat(path: str) -> bytes | None:
+    """The first 4 KiB of a /proc stat file, or None when the task is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        data = os.read(fd, 4096)
+        return os.read(fd, 4096)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _task_state(path: str) -> bytes | None:
+    data = _read_stat(path)
+    if data is None:
+        return None
     rest = data[data.rfind(b")") + 2 :]
     return rest[:1] or None
 

@@ -41,6 +41,17 @@ class Geometry:
     #: the `torch.zeros` calls vLLM will make: (size, offset of its view in the reservation)
     calls: tuple[tuple[int, int], ...]
 
+    def backing(self, backend: Any) -> BackingBuffer:
+        """A reservation on `backend` laid out like this buffer."""
+        return BackingBuffer(
+            backend,
+            nbytes=self.nbytes,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            segment_offsets=self.segment_offsets,
+            name="vllm-kv",
+        )
+
 
 def _refuse(what: str) -> RuntimeError:
     return RuntimeError(
@@ -139,14 +150,7 @@ def _serve(
         kv_cache_config.kv_cache_tensors[0],
         geometry.calls[:2],
     )
-    backing = BackingBuffer(
-        backend,
-        nbytes=geometry.nbytes,
-        num_blocks=geometry.num_blocks,
-        block_bytes=geometry.block_bytes,
-        segment_offsets=geometry.segment_offsets,
-        name="vllm-kv",
-    )
+    backing = geometry.backing(backend)
     try:
         raw = backing.raw("int8")
     except BaseException:

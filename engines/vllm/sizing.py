@@ -39,7 +39,6 @@ def plan_blocks(page_bytes: int, num_layers: int, granularity: int, budget: int)
 def _start_scheduler_instance(backend: Any, kv_cache_config: Any, copies: int) -> None:
     """Tensor parallel: the scheduler's instance records its decisions; the workers,
     told the plan and the null block's first ops, replay them (replay.py)."""
-    from kvcached.backing import BackingBuffer
     from kvcached.engines.vllm.allocation import geometry_of
     from kvcached.engines.vllm.replay import plan_on_worker
     from kvcached.replay import RecordingBackend
@@ -49,14 +48,7 @@ def _start_scheduler_instance(backend: Any, kv_cache_config: Any, copies: int) -
         raise refusals.Refused("the engine core's executor is out of the adapter's reach")
     recording = RecordingBackend.standing_in_for(backend)
     geometry = geometry_of(kv_cache_config, recording.granularity)
-    backing = BackingBuffer(
-        recording,
-        nbytes=geometry.nbytes,
-        num_blocks=geometry.num_blocks,
-        block_bytes=geometry.block_bytes,
-        segment_offsets=geometry.segment_offsets,
-        name="vllm-kv",
-    )
+    backing = geometry.backing(recording)
     instance.start(backing, model=instance.planned_model, copies=copies)
     first, ops = recording.take()
     executor.collective_rpc(plan_on_worker, args=(instance.planned_blocks, first, ops))
