@@ -38,6 +38,12 @@ from kvcached.engines.vllm.instance import NULL_BLOCK
 
 #: how often (seconds) the scheduler's calls look at the limit
 LIMIT_CHECK_S = 0.05
+#: how long (seconds) a computed free count is reused. vLLM asks for it once per request
+#: per step (1,024 times a step with 1,024 running requests), and the exact figure reads
+#: the ledger under its file lock (~10 us). Within the window the count follows this
+#: queue's own allocations and frees exactly; only another instance's use of the budget
+#: is seen up to this late (then an allocation retries briefly, see `_alloc_short`).
+COUNT_REFRESH_S = 0.005
 #: an allocation that lost a race for the budget retries for this long before failing
 RACE_RETRY_S = 2.0
 
@@ -52,6 +58,8 @@ class ElasticFreeQueue:
         self._retained: OrderedDict[int, Any] = OrderedDict()
         self._idle_since: float | None = None
         self._limit_checked = 0.0
+        self._counted_at = -1.0
+        self._obtainable = 0
         self.evicted = 0  # blocks given back by eviction, for tests and logs
 
     # ------------------------------------------------------------- vLLM's contract
@@ -61,7 +69,14 @@ class ElasticFreeQueue:
         if now - self._limit_checked > LIMIT_CHECK_S:
             self._limit_checked = now
             self.give_back_over_limit()
-        return len(self._retained) + self._allocator.obtainable_blocks()
+        if now - self._counted_at > COUNT_REFRESH_S:
+            self._counted_at = now
+            self._obtainable = self._allocator.obtainable_blocks()
+        return len(self._retained) + self._obtainable
+
+    def _counted(self, delta: int) -> None:
+        """This queue took (negative) or gave back blocks: keep the cached count exact."""
+        self._obtainable = max(0, self._obtainable + delta)
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -72,7 +87,10 @@ class ElasticFreeQueue:
         self._idle_since = None
         ids = self._allocator.alloc(n)
         if ids is None:
+            self._counted_at = -1.0  # the count was stale: recompute it next time
             ids = self._alloc_short(n)
+        else:
+            self._counted(-n)
         return [self._blocks[i] for i in ids]
 
     def remove(self, block: Any) -> None:
@@ -91,6 +109,7 @@ class ElasticFreeQueue:
         ids = [block.block_id for block in blocks]
         if ids:
             self._allocator.free(ids)
+            self._counted(len(ids))
         self._note_idle()
 
     def get_all_free_blocks(self) -> list[Any]:
@@ -133,6 +152,7 @@ class ElasticFreeQueue:
             freed.append(block_id)
         if freed:
             self._allocator.free(freed)
+            self._counted(len(freed))
             self.evicted += len(freed)
         return len(freed)
 
