@@ -1,4 +1,8 @@
-"""`kvcached demo`: several model instances share one memory budget, elastic vs. static.
+"""`kvcached demo --engine synthetic`: instances share one budget, elastic vs. static.
+
+This module is the synthetic demo and what every engine demo shares: the phase-shifted
+bursty load (`BurstyLoad`, `timed_requests`) and the plot (`plot_modes`).
+`--engine vllm` runs real vLLM servers instead (`kvcached.engines.vllm.demo`).
 
 What runs. `--instances` worker processes each own a KV cache for a realistic model
 shape (Llama-3.2-1B's by default: 16 layers, 8 KV heads, head dim 64, bf16) on the
