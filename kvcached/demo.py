@@ -1,4 +1,8 @@
-"""`kvcached demo`: several model instances share one memory budget, elastic vs. static.
+"""`kvcached demo --engine synthetic`: instances share one budget, elastic vs. static.
+
+This module is the synthetic demo and what every engine demo shares: the phase-shifted
+bursty load (`BurstyLoad`, `timed_requests`) and the plot (`plot_modes`).
+`--engine vllm` runs real vLLM servers instead (`kvcached.engines.vllm.demo`).
 
 What runs. `--instances` worker processes each own a KV cache for a realistic model
 shape (Llama-3.2-1B's by default: 16 layers, 8 KV heads, head dim 64, bf16) on the
@@ -51,6 +55,10 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
 }
 
+#: what `kvcached demo --engine` accepts: this module's synthetic load, or real vLLM servers
+#: (kvcached.engines.vllm.demo)
+ENGINES = ("synthetic", "vllm")
+
 TICK_S = 0.05  # one scheduler step
 TOKENS_PER_TICK = 4  # decode speed of one request per step
 REPORT_EVERY = 5  # ticks between reports to the coordinator
@@ -83,30 +91,94 @@ class Request:
     done_tick: int = -1
 
 
+@dataclass(frozen=True)
+class BurstyLoad:
+    """Phase-shifted bursts: every instance bursts once per period, in its own slot.
+
+    The period is cut into one slot per instance; instance i's burst starts with its
+    slot, at ``i * period / instances``, and lasts the slot or `window_s` if shorter.
+    Arrivals are Poisson per step, at `burst_rate` inside the burst and `quiet_rate`
+    outside it, so the instances peak at different times.
+    Shared by the synthetic demo and the engine demos, which add their own sizes."""
+
+    seconds: float
+    instances: int
+    period_s: float
+    quiet_rate: float  # requests/s outside the instance's burst
+    burst_rate: float  # requests/s during it
+    step_s: float = TICK_S
+    window_s: float | None = None  # a burst's length (default: its whole slot)
+
+    def in_burst(self, instance: int, t: float) -> bool:
+        slot = self.period_s / self.instances
+        window = slot if self.window_s is None else min(self.window_s, slot)
+        return ((t - instance * slot) % self.period_s) < window
+
+    def arrival_steps(self, rng: random.Random, instance: int) -> Iterator[int]:
+        """The step index of every arrival, in order; drawn from `rng` lazily, so a
+        caller may draw request sizes from the same `rng` between arrivals."""
+        for step in range(int(self.seconds / self.step_s)):
+            in_burst = self.in_burst(instance, step * self.step_s)
+            rate = self.burst_rate if in_burst else self.quiet_rate
+            for _ in range(_poisson(rng, rate * self.step_s)):
+                yield step
+
+
+@dataclass(frozen=True)
+class TimedRequest:
+    """A request of an engine demo or benchmark: when it arrives and how big it is."""
+
+    instance: int
+    rid: int
+    at_s: float  # seconds after the load starts
+    prompt_tokens: int
+    output_tokens: int
+
+
+def timed_requests(
+    load: BurstyLoad,
+    instance: int,
+    *,
+    seed: int,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+) -> list[TimedRequest]:
+    """The seeded arrivals of one instance with their sizes (uniform in the ranges)."""
+    rng = random.Random(seed * 1000 + instance)
+    return [
+        TimedRequest(
+            instance,
+            rid,
+            step * load.step_s,
+            rng.randint(*prompt_tokens),
+            rng.randint(*output_tokens),
+        )
+        for rid, step in enumerate(load.arrival_steps(rng, instance))
+    ]
+
+
 def make_load(config: DemoConfig, instance: int) -> list[Request]:
     """The seeded, phase-shifted bursty arrivals of one instance."""
     rng = random.Random(config.seed * 1000 + instance)
-    ticks = int(config.seconds / TICK_S)
-    period = config.burst_period_s
-    window = period / config.instances
-    phase = instance * window
+    load = BurstyLoad(
+        config.seconds,
+        config.instances,
+        config.burst_period_s,
+        config.quiet_rate,
+        config.burst_rate,
+    )
     requests: list[Request] = []
-    for tick in range(ticks):
-        t = tick * TICK_S
-        in_burst = ((t - phase) % period) < window
-        rate = config.burst_rate if in_burst else config.quiet_rate
-        arrivals = _poisson(rng, rate * TICK_S)
-        for _ in range(arrivals):
-            prompt = rng.randint(*config.prompt_tokens)
-            output = rng.randint(*config.output_tokens)
-            requests.append(
-                Request(
-                    rid=len(requests),
-                    arrival_tick=tick,
-                    tokens=prompt + output,
-                    decode_ticks=math.ceil(output / TOKENS_PER_TICK),
-                )
+    for tick in load.arrival_steps(rng, instance):
+        prompt = rng.randint(*config.prompt_tokens)
+        output = rng.randint(*config.output_tokens)
+        requests.append(
+            Request(
+                rid=len(requests),
+                arrival_tick=tick,
+                tokens=prompt + output,
+                decode_ticks=math.ceil(output / TOKENS_PER_TICK),
             )
+        )
     return requests
 
 
@@ -228,7 +300,7 @@ def worker(
             "still_waiting": len(waiting),
             "corrupted": corrupted,
             "mean_wait_s": statistics.fmean(waits) if waits else 0.0,
-            "p95_wait_s": _percentile(waits, 95),
+            "p95_wait_s": percentile(waits, 95),
             "late_s": round(max(0.0, time.monotonic() - begin - config.seconds), 3),
         }
     )
@@ -242,7 +314,7 @@ def _token_bytes(config: DemoConfig) -> int:
     return int(2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2)
 
 
-def _percentile(values: list[float], pct: float) -> float:
+def percentile(values: list[float], pct: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -403,52 +475,89 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB"
 
 
-def plot(config: DemoConfig, results: list[ModeResult], path: Path) -> None:
-    """Each instance's reserved KV memory over time, one panel per mode, plus totals."""
+@dataclass
+class Panel:
+    """One mode's side of the plot: reserved bytes over time per instance."""
+
+    mode: str
+    timeline: dict[str, list[tuple[float, int]]]  # instance label: (t, reserved bytes)
+    caption: str
+    share: int | None = None  # the per-instance limit, drawn when there is one
+
+
+def plot_modes(
+    panels: list[Panel],
+    *,
+    budget: int,
+    bars: dict[str, list[float]],
+    bars_title: str,
+    title: str,
+    path: Path,
+) -> None:
+    """Each instance's reserved KV memory over time, one panel per mode, then a bar
+    chart comparing the modes (`bars`: label -> one value per panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(
-        1, len(results) + 1, figsize=(6 * len(results) + 4, 4.5),
-        gridspec_kw={"width_ratios": [3] * len(results) + [2]},
+        1, len(panels) + 1, figsize=(6 * len(panels) + 4, 4.5),
+        gridspec_kw={"width_ratios": [3] * len(panels) + [2]},
     )  # fmt: skip
-    budget_gib = config.budget / (1 << 30)
-    for ax, result in zip(axes, results, strict=False):
-        for instance, points in sorted(result.timeline.items()):
-            ax.plot(
-                [t for t, _ in points],
-                [b / (1 << 30) for _, b in points],
-                label=f"instance {instance}",
-            )
-        ax.axhline(budget_gib, color="black", linestyle="--", linewidth=1, label="budget")
-        if result.mode == "static":
-            ax.axhline(budget_gib / config.instances, color="grey", linestyle=":",
-                       linewidth=1, label="static share")  # fmt: skip
-        summary = result.summary(config)
-        ax.set_title(f"{result.mode}: {summary['served']} served, {summary['waited']} waited")
+    unit, unit_name = (1 << 30, "GiB") if budget >= 1 << 30 else (1 << 20, "MiB")
+    for ax, panel in zip(axes, panels, strict=False):
+        for label, points in panel.timeline.items():
+            ax.plot([t for t, _ in points], [b / unit for _, b in points], label=label)
+        ax.axhline(budget / unit, color="black", linestyle="--", linewidth=1, label="budget")
+        if panel.share is not None:
+            ax.axhline(panel.share / unit, color="grey", linestyle=":", linewidth=1,
+                       label="static share")  # fmt: skip
+        ax.set_title(f"{panel.mode}: {panel.caption}")
         ax.set_xlabel("time (s)")
-        ax.set_ylabel("KV memory reserved (GiB)")
-        ax.set_ylim(0, budget_gib * 1.1)
+        ax.set_ylabel(f"KV memory reserved ({unit_name})")
+        ax.set_ylim(0, budget / unit * 1.1)
         ax.legend(loc="upper right", fontsize=8)
-    bars = axes[-1]
-    names = [r.mode for r in results]
-    served = [r.summary(config)["served"] for r in results]
-    waited = [r.summary(config)["waited"] for r in results]
-    x = range(len(results))
-    bars.bar([i - 0.2 for i in x], served, width=0.4, label="served")
-    bars.bar([i + 0.2 for i in x], waited, width=0.4, label="had to wait")
-    bars.set_xticks(list(x), names)
-    bars.set_title("requests")
-    bars.legend(fontsize=8)
-    figure.suptitle(
-        f"{config.instances} x {config.model} KV caches sharing {budget_gib:.2f} GiB "
-        f"({config.seconds:.0f} s of bursty load, seed {config.seed})"
-    )
+    chart = axes[-1]
+    x = range(len(panels))
+    width = 0.8 / max(1, len(bars))
+    for n, (label, values) in enumerate(bars.items()):
+        offset = (n - (len(bars) - 1) / 2) * width
+        chart.bar([i + offset for i in x], values, width=width, label=label)
+    chart.set_xticks(list(x), [p.mode for p in panels])
+    chart.set_title(bars_title)
+    chart.legend(fontsize=8)
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def plot(config: DemoConfig, results: list[ModeResult], path: Path) -> None:
+    """The synthetic demo's plot: memory per instance per mode, requests per mode."""
+    summaries = [result.summary(config) for result in results]
+    panels = [
+        Panel(
+            result.mode,
+            {f"instance {i}": points for i, points in sorted(result.timeline.items())},
+            f"{summary['served']} served, {summary['waited']} waited",
+            config.budget // config.instances if result.mode == "static" else None,
+        )
+        for result, summary in zip(results, summaries, strict=True)
+    ]
+    plot_modes(
+        panels,
+        budget=config.budget,
+        bars={
+            "served": [s["served"] for s in summaries],
+            "had to wait": [s["waited"] for s in summaries],
+        },
+        bars_title="requests",
+        title=f"{config.instances} x {config.model} KV caches sharing "
+        f"{config.budget / (1 << 30):.2f} GiB ({config.seconds:.0f} s of bursty load, "
+        f"seed {config.seed})",
+        path=path,
+    )
 
 
 def run_demo(config: DemoConfig, *, out: Path, live: bool = True) -> list[dict[str, Any]]:
