@@ -102,7 +102,7 @@ def _watch(engine: Any) -> None:
         if evicted:
             log.info("kvcached: evicted %d idle prefix-cache blocks", evicted)
 
-    while instance.current() is not None or not getattr(engine, "_kvcached_started", True):
+    while instance.current() is not None:  # the engine closed it: nothing left to watch
         time.sleep(IDLE_TICK_S)
         busy = has_work() if callable(has_work) else False
         if not busy and _upkeep_due(engine, idle_for):
