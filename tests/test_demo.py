@@ -14,6 +14,7 @@ import pytest
 
 from kvcached.demo import DemoConfig, make_load, run_demo
 from kvcached.errors import InvalidArgument
+from kvcached.ledger import process_start_time
 
 pytestmark = pytest.mark.slow
 
@@ -82,19 +83,11 @@ def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, list[int],
     pytest.fail("the demo's worker never opened its ledger")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _assert_cleaned_up(scratch: Path, workers: list[int], semaphores: set[str]) -> None:
     assert list(scratch.iterdir()) == []  # no kvcached-demo-* ledger folder left
     assert semaphores, "the check needs the demo's semaphores to look for"
     assert [s for s in semaphores if os.path.exists(s)] == []
-    assert [pid for pid in workers if _alive(pid)] == []
+    assert [pid for pid in workers if process_start_time(pid) is not None] == []
 
 
 def test_demo_stopped_with_sigterm_leaves_no_ledger_dir_or_semaphores(tmp_path: Path) -> None:

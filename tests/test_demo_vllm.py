@@ -22,6 +22,7 @@ import pytest
 
 from kvcached.demo import BurstyLoad
 from kvcached.engines.vllm.demo import VllmDemoConfig, waited_and_preempted
+from kvcached.ledger import process_start_time
 
 MiB = 1 << 20
 
@@ -158,14 +159,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
@@ -215,5 +208,5 @@ def test_vllm_demo_stopped_while_servers_start_leaves_no_server_or_folder(
     expected = 128 + signal.SIGTERM if how == "sigterm" else 130
     assert demo.returncode == expected, output
     assert "Traceback" not in output, output
-    assert [pid for pid in everything if _alive(pid)] == []
+    assert [pid for pid in everything if process_start_time(pid) is not None] == []
     assert _demo_folders(tmp_path) == []

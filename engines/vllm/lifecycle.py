@@ -63,7 +63,7 @@ def closes_kvcached_first(original: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
-def _upkeep_due(engine: Any, idle_for: float) -> bool:
+def _upkeep_due(idle_for: float) -> bool:
     recording = instance.recorder()
     if recording is not None and recording.pending:
         return True  # releases wait for the workers to replay them
@@ -105,7 +105,7 @@ def _watch(engine: Any) -> None:
     while instance.current() is not None:  # the engine closed it: nothing left to watch
         time.sleep(IDLE_TICK_S)
         busy = has_work() if callable(has_work) else False
-        if not busy and _upkeep_due(engine, idle_for):
+        if not busy and _upkeep_due(idle_for):
             engine._idle_state_callbacks.append(upkeep)
             engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
