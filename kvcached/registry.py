@@ -13,6 +13,7 @@ a machine's memory. Nothing here runs at `import kvcached`; the first call resol
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "kvcached.backends"
 AUTO_ORDER = ("cuda", "rocm", "mlx", "host")
 
-_instances: dict[str, Backend] = {}
+_instances: dict[tuple[str, int | None], Backend] = {}
 _lock = threading.Lock()
 
 
@@ -101,14 +102,27 @@ def _available_names() -> list[str]:
     return [name for name, reason in availability().items() if reason is None]
 
 
-def get_backend(name: str | None = None) -> Backend:
-    """The process-wide instance of the resolved backend, created on first use."""
+def get_backend(name: str | None = None, *, device: int | None = None) -> Backend:
+    """The process-wide instance of the resolved backend, created on first use.
+
+    `device`: the device ordinal, for a process that drives several or whose framework
+    picked one (a tensor-parallel rank); default KVCACHED_DEVICE. Backends without a
+    device choice (host) ignore it."""
+    from kvcached.config import settings
+
     resolved = resolve_name(name)
+    cls = backend_class(resolved)
+    chooses = (
+        device is not None
+        and device != settings().device  # the default device: the one shared instance
+        and "device" in inspect.signature(cls).parameters
+    )
+    key = (resolved, device if chooses else None)
     with _lock:
-        instance = _instances.get(resolved)
+        instance = _instances.get(key)
         if instance is None or instance.closed:
-            instance = backend_class(resolved)()
-            _instances[resolved] = instance
+            instance = cls(device=device) if chooses else cls()  # type: ignore[call-arg]
+            _instances[key] = instance
         return instance
 
 

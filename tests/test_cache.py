@@ -21,7 +21,7 @@ from kvcached.cache import KVCache
 from kvcached.config import reload_settings
 from kvcached.errors import InvalidArgument
 from kvcached.layout import LayerSpec
-from kvcached.ledger import Ledger, ledger_key
+from kvcached.ledger import Ledger, LedgerError, ledger_key
 
 MiB = 1 << 20
 LAYERS = [LayerSpec(num_kv_heads=2, head_dim=64)] * 4  # 2 MiB pages hold 512 blocks of 16
@@ -348,3 +348,43 @@ def test_close_twice_is_harmless_on_every_resource_object(backend: HostBackend) 
     server = serve(None, port=0)
     server.close()
     server.close()
+
+
+def test_copies_on_two_devices_are_charged_to_each_devices_ledger(backend: HostBackend) -> None:
+    # a tensor-parallel engine: one allocator, one copy of its pages on each of two
+    # devices; "cpu" and "1" stand for the two devices' ledgers (host-cpu, host-1)
+    page_id = 2 * MiB * 2 * len(LAYERS)
+    other = Ledger.open(ledger_key(backend.name, 1), budget=page_id)  # room for one page id
+    try:
+        with KVCache(
+            LAYERS,
+            block_size=16,
+            name="tp",
+            backend=backend,
+            budget=4 * page_id,
+            copies={"cpu": 1, 1: 1},
+            extent_bytes=2 * MiB,
+            **QUIET,
+        ) as cache:
+            blocks = cache.alloc(512)
+            assert blocks is not None
+            own = {r.name: r for r in _ledger(backend).rows()}
+            theirs = {r.name: r for r in other.rows()}
+            assert own["tp"].reserved == theirs["tp"].reserved == page_id
+            # the second device's budget is spent: nothing more, and nothing half-charged
+            assert cache.alloc(512) is None
+            assert _ledger(backend).rows()[0].reserved == page_id
+            cache.set_limit(page_id)
+            assert other.rows()[0].limit == page_id  # a limit applies on every device
+            cache.free(blocks)
+        assert _ledger(backend).rows() == [] and other.rows() == []
+    finally:
+        other.close()
+
+
+def test_copies_naming_a_device_twice_or_no_process_are_refused(backend: HostBackend) -> None:
+    for copies in ({"cpu": 0}, {"cpu": 1, "host:cpu": 1}, {}):
+        with pytest.raises(InvalidArgument, match="copies"):
+            KVCache(LAYERS, name="bad", backend=backend, copies=copies, **QUIET)
+    with pytest.raises(LedgerError):  # refused before any ledger was touched
+        _ledger(backend)

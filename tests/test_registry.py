@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,11 @@ def test_get_backend_returns_one_instance_per_process(monkeypatch: pytest.Monkey
     assert kvcached.get_backend() is first
     registry.reset()
     assert first.closed and kvcached.get_backend() is not first
+
+
+def test_a_device_ordinal_leaves_backends_without_a_device_choice_shared(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # a tensor-parallel rank asks for its own device; the host backend has only one
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    assert registry.get_backend("host", device=3) is registry.get_backend("host")

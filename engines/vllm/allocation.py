@@ -124,7 +124,9 @@ class _ZerosFromReservation:
             size, offset = self._calls[self.served]
             self.served += 1
             device = torch.device(kwargs.get("device") or "cpu")
-            if device.type != self._raw.device.type:
+            if device.type != self._raw.device.type or (
+                device.index is not None and device.index != self._raw.device.index
+            ):
                 raise _refuse(
                     f"vLLM runs on {device} but the kvcached backend's memory is on "
                     f"{self._raw.device} (KVCACHED_BACKEND)"
@@ -133,13 +135,23 @@ class _ZerosFromReservation:
         return torch.zeros(*args, **kwargs)
 
 
+def worker_device() -> int | None:
+    """The accelerator ordinal vLLM gave this worker (a tensor-parallel rank's own GPU,
+    torch's current device), or None on a CPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return int(torch.cuda.current_device())
+    return None
+
+
 def _serve(
     original: Callable[..., Any], kv_cache_config: Any, model: str | None
 ) -> Callable[..., Any]:
     """Run `original` with its raw KV allocations served from a new kvcached instance."""
     from kvcached.registry import get_backend
 
-    backend = get_backend()
+    backend = get_backend(device=worker_device())
     geometry = geometry_of(kv_cache_config, backend.granularity)
     log.info(
         "kvcached serves %s: %d blocks of %d bytes in %d segment(s) (first %s), calls %s",
@@ -212,16 +224,16 @@ def serve_from_kvcached(original: Callable[..., Any], name: str) -> Callable[...
     def function(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not sized_for_us(kv_cache_config):
             return original(kv_cache_config, *args, **kwargs)
-        if name == "_allocate_kv_cache":  # 0.26's Model Runner V2
+        if name == "_allocate_kv_cache" and instance.replica_ops is not None:
             from kvcached.engines.vllm.refusals import Refused
 
-            # measured on the H200 (benchmarks/results/h200-2026-12-01): V2's attention
-            # touches KV bytes of blocks the scheduler never handed out, an illegal
-            # address once they are unmapped (its tokens are equal when all is mapped)
+            # V2 warms up on block ids it makes up (warmup.py); a tensor-parallel
+            # worker replays the scheduler's blocks and has none of its own to lend
             raise Refused(
-                "vLLM's Model Runner V2 reads KV blocks the scheduler has not allocated, "
-                "which kvcached leaves unmapped (an illegal memory access); set "
-                "VLLM_USE_V2_MODEL_RUNNER=0 to use Model Runner V1, which kvcached supports"
+                "vLLM's Model Runner V2 with tensor_parallel_size > 1 is not supported yet "
+                "(its warm-up uses KV blocks the workers cannot map on their own); set "
+                "VLLM_USE_V2_MODEL_RUNNER=0 for Model Runner V1, which kvcached supports "
+                "with tensor parallelism, or run V2 with tensor_parallel_size=1"
             )
         return _serve(original, kv_cache_config, instance.planned_model)(
             kv_cache_config, *args, **kwargs

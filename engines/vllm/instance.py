@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from kvcached.backing import BackingBuffer
@@ -59,7 +60,9 @@ def instance_limit(budget: int) -> int | None:
 class VllmInstance:
     """A vLLM engine's `KVCache`: its allocator, ledger row and pinned null block."""
 
-    def __init__(self, backing: BackingBuffer, *, name: str, copies: int = 1) -> None:
+    def __init__(
+        self, backing: BackingBuffer, *, name: str, copies: Mapping[str | int, int] | None = None
+    ) -> None:
         self.backing = backing
         recording = backing.backend if isinstance(backing.backend, RecordingBackend) else None
         self.recording = recording
@@ -68,7 +71,7 @@ class VllmInstance:
             name=name,
             engine="vllm",
             backend=backing.backend,
-            charge_scale=copies,
+            copies=copies,
             before_refund=None if recording is None else recording.wait_applied,
         )
         try:
@@ -104,9 +107,12 @@ class VllmInstance:
         return f"VllmInstance({self.name}, {self.allocator!r})"
 
 
-def start(backing: BackingBuffer, *, model: str | None, copies: int = 1) -> VllmInstance:
+def start(
+    backing: BackingBuffer, *, model: str | None, copies: Mapping[str | int, int] | None = None
+) -> VllmInstance:
     """Create this process's instance over `backing` (replacing an earlier one);
-    `copies` processes hold its memory (tensor-parallel ranks replaying it)."""
+    `copies`: {device: processes holding its memory there} (tensor-parallel ranks
+    replaying it; see `KVCache`), default this process alone."""
     global _current
     with _lock:
         if _current is not None:

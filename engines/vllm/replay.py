@@ -32,6 +32,14 @@ from kvcached.engines.vllm import instance
 log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 
+def device_of_worker(worker: Any) -> str:
+    """collective_rpc target: the device this worker's KV memory lives on (its ledger)."""
+    from kvcached.engines.vllm.allocation import worker_device
+    from kvcached.registry import get_backend
+
+    return get_backend(device=worker_device()).device
+
+
 def plan_on_worker(worker: Any, blocks: int, first: int, ops: list[tuple[Any, ...]]) -> None:
     """collective_rpc target: the block count to serve and the first ops to apply."""
     instance.planned_blocks = blocks

@@ -85,6 +85,12 @@ def _one_process(original: Any) -> Any:
     return scheduler_and_worker_share_a_process(original)
 
 
+def _warmup(original: Any) -> Any:
+    from kvcached.engines.vllm.warmup import on_kvcached_blocks
+
+    return on_kvcached_blocks(original)
+
+
 def _idle(original: Any) -> Any:
     from kvcached.engines.vllm.lifecycle import maintains_when_idle
 
@@ -111,6 +117,13 @@ SHIMS: tuple[Shim, ...] = (
         "vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache",
         ("0.26",),
         _allocation("_allocate_kv_cache"),
+        optional=True,
+    ),
+    Shim(
+        "warm-up blocks (Model Runner V2)",
+        "vllm.v1.worker.gpu_worker:warmup_kernels",
+        ("0.26",),
+        _warmup,
         optional=True,
     ),
     # engine core: size the block pool from kvcached's virtual capacity, not a profile

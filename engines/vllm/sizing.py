@@ -36,20 +36,34 @@ def plan_blocks(page_bytes: int, num_layers: int, granularity: int, budget: int)
     return max(multiple, count // multiple * multiple)
 
 
-def _start_scheduler_instance(backend: Any, kv_cache_config: Any, copies: int) -> None:
+def _worker_devices() -> dict[str | int, int]:
+    """{device: ranks on it} of a tensor-parallel engine's workers."""
+    from collections import Counter
+
+    from kvcached.engines.vllm.replay import device_of_worker
+
+    executor = instance.executor
+    if executor is None:
+        raise refusals.Refused("the engine core's executor is out of the adapter's reach")
+    return dict(Counter[str | int](executor.collective_rpc(device_of_worker)))
+
+
+def _start_scheduler_instance(
+    backend: Any, kv_cache_config: Any, devices: dict[str | int, int]
+) -> None:
     """Tensor parallel: the scheduler's instance records its decisions; the workers,
-    told the plan and the null block's first ops, replay them (replay.py)."""
+    told the plan and the null block's first ops, replay them (replay.py). Each
+    worker's copy is charged to its own device's ledger (two GPUs: two ledgers)."""
     from kvcached.engines.vllm.allocation import geometry_of
     from kvcached.engines.vllm.replay import plan_on_worker
     from kvcached.replay import RecordingBackend
 
     executor = instance.executor
-    if executor is None:
-        raise refusals.Refused("the engine core's executor is out of the adapter's reach")
+    assert executor is not None  # _worker_devices() reached it
     recording = RecordingBackend.standing_in_for(backend)
     geometry = geometry_of(kv_cache_config, recording.granularity)
     backing = geometry.backing(recording)
-    instance.start(backing, model=instance.planned_model, copies=copies)
+    instance.start(backing, model=instance.planned_model, copies=devices)
     first, ops = recording.take()
     executor.collective_rpc(plan_on_worker, args=(instance.planned_blocks, first, ops))
 
@@ -92,15 +106,16 @@ def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"{math.lcm(granularity, page)} bytes), which vLLM's null block needs; "
                 "give at least that"
             )
-        copies = len(kv_cache_specs)  # one copy of the KV slice per rank
-        blocks = plan_blocks(page, layers, granularity, budget // copies)
+        # one copy of the KV slice per rank; ranks sharing a device share its budget
+        devices = _worker_devices() if len(kv_cache_specs) > 1 else {}
+        blocks = plan_blocks(page, layers, granularity, budget // max(devices.values(), default=1))
         vllm_config.cache_config.num_gpu_blocks_override = blocks
         memory = [blocks * page * len(worker) for worker in kv_cache_specs]
         configs = original(vllm_config, kv_cache_specs, memory)
         instance.planned_blocks = int(configs[0].num_blocks)
         instance.planned_model = getattr(vllm_config.model_config, "model", None)
-        if copies > 1:
-            _start_scheduler_instance(backend, configs[0], copies)
+        if devices:
+            _start_scheduler_instance(backend, configs[0], devices)
         log.info(
             "kvcached: %d virtual KV blocks (%d bytes each) over a %d-byte device budget",
             instance.planned_blocks,
