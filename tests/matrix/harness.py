@@ -135,7 +135,10 @@ def judge(baseline: dict[str, Any], with_kvcached: dict[str, Any]) -> dict[str, 
     return {"outcome": "equal", "detail": f"{len(runs)} runs of {len(runs[0])} prompts equal"}
 
 
-def run_row(name: str, work: Path, *, gpu: bool = False) -> dict[str, Any]:
+def run_row(
+    name: str, work: Path, *, gpu: bool = False, keep_tokens: bool = False
+) -> dict[str, Any]:
+    """One row's cell; `keep_tokens` adds the engine's own greedy tokens (``runs``)."""
     from kvcached.random_arch import ARCHITECTURES, make_arch_model
 
     arch = ARCHITECTURES[name]
@@ -163,6 +166,7 @@ def run_row(name: str, work: Path, *, gpu: bool = False) -> dict[str, Any]:
         "class": arch.architecture,
         **cell,
         "seconds": {"baseline": baseline["seconds"], "kvcached": with_kvcached["seconds"]},
+        **({"runs": baseline.get("runs")} if keep_tokens else {}),
     }
 
 
