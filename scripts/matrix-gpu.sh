@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
     --target /tmp/site "$repo" || exit 1
 rm -rf "$repo/build" "$repo"/*.egg-info
-export PYTHONPATH=/tmp/site:$repo PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 KVCACHED_BACKEND=cuda
 cd /tmp
 python3 "$repo/tests/matrix/harness.py" --gpu --deadline "${DEADLINE:-420}" \

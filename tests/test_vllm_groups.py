@@ -140,3 +140,22 @@ def test_committed_page_is_rendered_from_the_committed_results() -> None:
     tables = render_compatibility.load(ROOT / "tests" / "matrix" / "results")
     page = (ROOT / "docs" / "compatibility.md").read_text()
     assert page == render_compatibility.render(tables)  # regenerate, never edit by hand
+
+
+def test_matrix_row_whose_model_cannot_be_built_is_not_run_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an older transformers (the H200's) may lack an architecture: that row says so and
+    # the other rows still run, instead of the whole command failing
+    sys.path.insert(0, str(ROOT / "tests" / "matrix"))
+    import harness
+
+    from kvcached import random_arch
+
+    def no_such_config(*args: Any, **kwargs: Any) -> Path:
+        raise KeyError("gemma4_text")
+
+    monkeypatch.setattr(random_arch, "make_arch_model", no_such_config)
+    row = harness.run_row("cross-layer-kv-sharing", tmp_path)
+    assert row["outcome"] == "not_run"
+    assert row["detail"] == "the model cannot be built here: KeyError: 'gemma4_text'"

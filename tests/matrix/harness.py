@@ -142,11 +142,19 @@ def run_row(
     from kvcached.random_arch import ARCHITECTURES, make_arch_model
 
     arch = ARCHITECTURES[name]
+    row = {"architecture": name, "representative": arch.representative, "class": arch.architecture}
+    folder = work / "models" / name
+    try:  # the installed transformers may lack the architecture (older releases)
+        if gpu:
+            model = make_arch_model(folder, name, scale="gpu", dtype="bfloat16")
+        else:
+            model = make_arch_model(folder, name)
+    except Exception as exc:
+        detail = f"the model cannot be built here: {type(exc).__name__}: {exc}"[:400]
+        return {**row, "outcome": "not_run", "detail": detail}
     if gpu:
-        model = make_arch_model(work / "models" / name, name, scale="gpu", dtype="bfloat16")
         batch: tuple[str, ...] = (*GPU_BATCH, "--dtype", "bfloat16")
     else:
-        model = make_arch_model(work / "models" / name, name)
         batch = (*BATCH, "--dtype", arch.cpu_dtype)
     baseline = run_engine(model, work / f"{name}-ledger-baseline", kvcached=False, batch=batch)
     # a model the engine cannot run alone says nothing about kvcached: not run with it
@@ -161,9 +169,7 @@ def run_row(
             with_kvcached["tokens_per_s"] / baseline["tokens_per_s"], 3
         )
     return {
-        "architecture": name,
-        "representative": arch.representative,
-        "class": arch.architecture,
+        **row,
         **cell,
         "seconds": {"baseline": baseline["seconds"], "kvcached": with_kvcached["seconds"]},
         **({"runs": baseline.get("runs")} if keep_tokens else {}),
