@@ -83,6 +83,7 @@ def geometry_of(kv_cache_config: Any, granularity: int) -> Geometry:
             else:
                 raise _refuse(f"its layers interleave ({t})")
         # KV cache groups overlay one buffer (groups.py): a shared offset is one segment
+        # (runs that overlap only in part are refused by BackingBuffer)
         segments = tuple(sorted(set(offsets)))
         return Geometry(size, num_blocks, stride, segments, ((size, 0),))
     packed = [t for t in tensors if t.block_stride > 0]
