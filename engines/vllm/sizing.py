@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcached.engines.vllm import instance, refusals
+from kvcached.engines.vllm.groups import largest_page
 
 log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
@@ -94,7 +95,7 @@ def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
         backend = get_backend()
         with open_device_ledger(backend) as ledger:
             budget = ledger.budget
-        page = specs[0].page_size_bytes
+        page = largest_page(specs)  # every KV cache group's page is unified to it
         layers = len(kv_cache_specs[0])
         granularity = backend.granularity
         one_page_id = math.lcm(granularity, page) * layers

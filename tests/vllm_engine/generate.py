@@ -6,6 +6,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING come from the environment.
 
     python generate.py MODEL [--prompts N] [--prompt-len L] [--max-tokens M]
         [--no-prefix-caching] [--repeat R] [--corrupt] [--tp N] [--kv-bytes B]
+        [--dtype D]
 
 `--repeat` runs the same prompts again in the same engine (prefix-cache hits);
 `--corrupt` overwrites, between the runs, every KV block that kvcached holds for the
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--kv-bytes", type=int, default=64 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")  # MoE kernels on CPU need bfloat16
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -90,7 +92,7 @@ def main() -> None:
         a.model,
         enforce_eager=True,
         max_model_len=2048,
-        dtype="float32",
+        dtype=a.dtype,
         seed=0,
         enable_prefix_caching=not a.no_prefix_caching,
         tensor_parallel_size=a.tp,
@@ -101,12 +103,15 @@ def main() -> None:
     startup = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     prompts = _prompts(a.prompts, a.prompt_len, seed=0)
-    runs, corrupted = [], 0
+    runs, corrupted, generating = [], 0, 0.0
     for i in range(a.repeat):
         if a.corrupt and i > 0:
             corrupted = _corrupt_held_blocks()
+        t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        generating += time.perf_counter() - t0
         runs.append([list(o.outputs[0].token_ids) for o in outputs])
+    generated = sum(len(tokens) for run in runs for tokens in run)
     print(
         "RESULT "
         + json.dumps(
@@ -115,6 +120,7 @@ def main() -> None:
                 "preemptions": preemptions[0],
                 "corrupted_blocks": corrupted,
                 "startup_s": round(startup, 2),
+                "tokens_per_s": round(generated / generating, 1),
             }
         ),
         flush=True,

@@ -1,0 +1,405 @@
+"""Random-weight checkpoints of the architectures in the compatibility matrix.
+
+`random_model.py` writes Qwen3/Llama checkpoints by hand; the other rows of
+`docs/compatibility.md` have structures too varied to spell out tensor by tensor
+(mixture of experts, Gated DeltaNet, per-layer embeddings, latent attention), so this
+module lets the installed transformers build them: a config holding the published
+values of the representative model, `from_config` with a seeded generator, then the
+same sharpening as `random_model.py` (query/key projections scaled by `attention_gain`,
+embeddings by 50) so that a wrong KV block changes greedy tokens.
+
+`ARCHITECTURES` names each row. `real` is the representative's own config (the values
+its Hugging Face `config.json` publishes, the fields that shape the KV cache at least);
+`scaled` is the CPU version: fewer and narrower layers, the same structure (the layer
+pattern, sliding windows, which layers share KV, per-layer KV shapes, MLA dims); `gpu`
+keeps the real widths and KV shapes with fewer layers, experts and vocabulary. The
+tokenizer is `random_model`'s, trained here, so no file is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: the vocabulary of every scaled model (the locally trained tokenizer's size)
+SCALED_VOCAB = 1024
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One row of the matrix: what it is, and its real and CPU-scaled configs."""
+
+    name: str  # the row's key, e.g. "sliding-window-hybrid"
+    representative: str  # the published model whose config this follows
+    architecture: str  # the Hugging Face / vLLM architecture class
+    why_hard: str
+    real: dict[str, Any]
+    scaled: dict[str, Any]
+    #: fields the builder sets on every config (model type, architecture)
+    common: dict[str, Any] = field(default_factory=dict)
+    #: the dtype engines run it in on CPU (vLLM-CPU's MoE kernels take no float32)
+    cpu_dtype: str = "float32"
+    #: what the H200 run changes in `real` so a model builds and starts in seconds:
+    #: fewer layers (whole periods of the layer pattern), experts and vocabulary; the
+    #: per-layer KV shapes, windows and sharing stay the real ones
+    gpu_trim: dict[str, Any] = field(default_factory=dict)
+
+    def config(self, *, scale: str) -> dict[str, Any]:
+        """`real`, `scaled` (CPU) or `gpu` (real KV shapes, trimmed depth)."""
+        if scale == "real":
+            return {**self.common, **self.real}
+        if scale == "scaled":
+            return {**self.common, **self.scaled}
+        if scale == "gpu":
+            return {**self.common, **self.real, "vocab_size": 32768, **self.gpu_trim}
+        raise ValueError(f"scale={scale!r}: accepted are 'real', 'scaled' and 'gpu'")
+
+
+def _alternating(first: str, second: str, every: int, layers: int) -> list[str]:
+    """`every - 1` layers of `first`, then one of `second`, repeated over `layers`."""
+    return [second if (i + 1) % every == 0 else first for i in range(layers)]
+
+
+#: GPT-OSS's published rotary embedding (YaRN over a 4,096-token original context)
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 4096,
+    "truncate": False,
+}
+
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.name: arch
+    for arch in (
+        Architecture(
+            name="standard-gqa",
+            representative="Qwen/Qwen3-8B",
+            gpu_trim={"num_hidden_layers": 8},
+            architecture="Qwen3ForCausalLM",
+            why_hard="baseline",
+            common={"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+            real={
+                "hidden_size": 4096,
+                "intermediate_size": 12288,
+                "num_hidden_layers": 36,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "vocab_size": 151936,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "max_position_embeddings": 40960,
+            },
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": SCALED_VOCAB,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "max_position_embeddings": 4096,
+            },
+        ),
+        Architecture(
+            name="sliding-window-hybrid",
+            representative="openai/gpt-oss-20b",
+            gpu_trim={
+                "num_hidden_layers": 4,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "num_local_experts": 4,
+            },
+            cpu_dtype="bfloat16",
+            architecture="GptOssForCausalLM",
+            why_hard="two KV groups (sliding window, full) with different lifetimes; MoE",
+            common={"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]},
+            real={
+                "hidden_size": 2880,
+                "intermediate_size": 2880,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 64,
+                "num_local_experts": 32,
+                "num_experts_per_tok": 4,
+                "sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 12,
+                "vocab_size": 201088,
+                "max_position_embeddings": 131072,
+                "rope_parameters": _GPT_OSS_ROPE,
+            },
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "vocab_size": SCALED_VOCAB,
+                "max_position_embeddings": 4096,
+                "rope_parameters": _GPT_OSS_ROPE,
+            },
+        ),
+        Architecture(
+            name="hybrid-linear-attention",
+            representative="Qwen/Qwen3.5-9B",
+            gpu_trim={
+                "num_hidden_layers": 8,
+                "layer_types": _alternating("linear_attention", "full_attention", 4, 8),
+            },
+            architecture="Qwen3_5ForCausalLM",
+            why_hard="3 Gated DeltaNet layers (no KV, a state cache) to 1 attention layer",
+            common={"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
+            real={
+                "hidden_size": 4096,
+                "intermediate_size": 12288,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4,
+                "layer_types": _alternating("linear_attention", "full_attention", 4, 32),
+                "vocab_size": 248320,
+            },
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 32,
+                "linear_value_head_dim": 32,
+                "linear_conv_kernel_dim": 4,
+                "layer_types": _alternating("linear_attention", "full_attention", 4, 4),
+                "vocab_size": SCALED_VOCAB,
+            },
+        ),
+        Architecture(
+            name="cross-layer-kv-sharing",
+            representative="google/gemma-4-E2B-it",
+            gpu_trim={
+                "num_hidden_layers": 10,
+                "num_kv_shared_layers": 5,
+                "layer_types": _alternating("sliding_attention", "full_attention", 5, 10),
+                "vocab_size_per_layer_input": 32768,
+            },
+            architecture="Gemma4ForCausalLM",
+            why_hard="the last layers read earlier layers' KV; sliding + full, 256/512 dims",
+            common={"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]},
+            real={
+                "hidden_size": 1536,
+                "intermediate_size": 6144,
+                "num_hidden_layers": 35,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 1,
+                "head_dim": 256,
+                "global_head_dim": 512,
+                "sliding_window": 512,
+                "num_kv_shared_layers": 20,
+                "hidden_size_per_layer_input": 256,
+                "final_logit_softcapping": 30.0,
+                "layer_types": _alternating("sliding_attention", "full_attention", 5, 35),
+                "vocab_size": 262144,
+                "vocab_size_per_layer_input": 262144,
+            },
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 5,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "global_head_dim": 64,
+                "sliding_window": 128,
+                "num_kv_shared_layers": 2,
+                "hidden_size_per_layer_input": 16,
+                "final_logit_softcapping": 30.0,
+                "layer_types": [
+                    "sliding_attention",
+                    "sliding_attention",
+                    "full_attention",
+                    "sliding_attention",
+                    "full_attention",
+                ],
+                "vocab_size": SCALED_VOCAB,
+                "vocab_size_per_layer_input": SCALED_VOCAB,
+            },
+        ),
+        Architecture(
+            name="heterogeneous-kv-groups",
+            representative="google/gemma-4-12B-it",
+            gpu_trim={
+                "num_hidden_layers": 6,
+                "layer_types": _alternating("sliding_attention", "full_attention", 6, 6),
+            },
+            architecture="Gemma4ForCausalLM",
+            why_hard="per-layer KV head count and head dim (sliding 256-dim, global 512-dim "
+            "layers with K = V and fewer KV heads)",
+            common={"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]},
+            real={
+                "hidden_size": 3840,
+                "intermediate_size": 15360,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 256,
+                "global_head_dim": 512,
+                "num_global_key_value_heads": 4,
+                "attention_k_eq_v": True,
+                "sliding_window": 1024,
+                "final_logit_softcapping": 30.0,
+                "hidden_size_per_layer_input": 0,
+                "layer_types": _alternating("sliding_attention", "full_attention", 6, 48),
+                "vocab_size": 262144,
+            },
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "global_head_dim": 64,
+                "num_global_key_value_heads": 1,
+                "attention_k_eq_v": True,
+                "sliding_window": 128,
+                "final_logit_softcapping": 30.0,
+                "hidden_size_per_layer_input": 0,
+                "layer_types": _alternating("sliding_attention", "full_attention", 3, 6),
+                "vocab_size": SCALED_VOCAB,
+            },
+        ),
+        Architecture(
+            name="mla",
+            representative="deepseek-ai/DeepSeek-V2-Lite",
+            gpu_trim={"num_hidden_layers": 4, "n_routed_experts": 8},
+            cpu_dtype="bfloat16",
+            architecture="DeepseekV2ForCausalLM",
+            why_hard="one compressed latent (kv_lora_rank + rope dims) per token and layer",
+            common={
+                "model_type": "deepseek_v2",
+                "architectures": ["DeepseekV2ForCausalLM"],
+                # V2-Lite's router: greedy top-k over one expert group
+                "topk_method": "greedy",
+                "n_group": 1,
+                "topk_group": 1,
+                "routed_scaling_factor": 1.0,
+                "scoring_func": "softmax",
+                "norm_topk_prob": False,
+            },
+            real={
+                "hidden_size": 2048,
+                "intermediate_size": 10944,
+                "moe_intermediate_size": 1408,
+                "num_hidden_layers": 27,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 16,
+                "kv_lora_rank": 512,
+                "q_lora_rank": None,
+                "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "n_routed_experts": 64,
+                "n_shared_experts": 2,
+                "num_experts_per_tok": 6,
+                "first_k_dense_replace": 1,
+                "vocab_size": 102400,
+            },
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "moe_intermediate_size": 64,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                # the real latent (512 + 64 = 576 per token): vLLM-CPU's MLA takes only 576
+                "kv_lora_rank": 512,
+                "q_lora_rank": None,
+                "qk_nope_head_dim": 32,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 32,
+                "n_routed_experts": 4,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 2,
+                "first_k_dense_replace": 1,
+                "vocab_size": SCALED_VOCAB,
+            },
+        ),
+    )
+}
+
+
+def _sharpen(name: str, value: Any, attention_gain: float) -> Any:
+    """Scale query/key projections (and q/k norms) by the gain, embeddings by 50."""
+    root = attention_gain**0.5
+    if any(part in name for part in (".q_proj.", ".k_proj.", ".q_a_proj.", ".kv_a_proj")):
+        return value * root
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return value * root if float(value.abs().mean()) > 0.5 else value + (root - 1.0)
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return value * 50.0
+    return value
+
+
+def make_arch_model(
+    folder: str | Path,
+    name: str,
+    *,
+    scale: str = "scaled",
+    seed: int = 0,
+    dtype: str = "float32",
+    attention_gain: float = 16.0,
+) -> Path:
+    """Write the row `name`'s config, tokenizer and random weights to `folder`.
+
+    The same arguments give the same files; a folder whose `kvcached-model.json` matches
+    is reused as is. An unknown `name` is an error listing the rows."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; accepted: {', '.join(ARCHITECTURES)}")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvcached.random_model import _tokenizer
+
+    arch = ARCHITECTURES[name]
+    folder = Path(folder)
+    recipe = {"arch": name, "scale": scale, "seed": seed, "dtype": dtype, "gain": attention_gain}
+    stamp = folder / "kvcached-model.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    values = arch.config(scale=scale)
+    tokenizer = _tokenizer(folder, SCALED_VOCAB, seed)  # token ids < the smallest vocab
+    values |= {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+    }
+    model_type = values.pop("model_type")
+    config = AutoConfig.for_model(model_type, **values)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.copy_(_sharpen(param_name, param, attention_gain))
+    model.save_pretrained(folder)
+    stamp.write_text(json.dumps(recipe))
+    return folder

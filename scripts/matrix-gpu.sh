@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The vLLM-GPU column of docs/compatibility.md, on the H200 device, in ONE command.
+# Prerequisite: the recipe in ../shared/device-vllm has installed vLLM 0.26 into
+# /tmp/site (Python 3.12), and .whl/ carries pydantic_settings and python_dotenv as for
+# scripts/vllm-gpu-run.sh. Installs kvcached from this tree (vLLM finds its plugin entry
+# point), then runs tests/matrix/harness.py --gpu: per architecture, one engine start
+# without and one with kvcached (up to 12 starts; models with real KV shapes, fewer layers),
+# Model Runner V1. Writes $OUT/vllm-gpu.json (copy it to tests/matrix/results/ and run
+# scripts/render_compatibility.py) and $OUT/matrix-gpu.log.
+#   bash scripts/matrix-gpu.sh [ROW ...]      # default: every row
+# Budget: 11 engine starts of ~20-40 s each (enforce_eager). Rows that would start past
+# DEADLINE seconds (default 420) are recorded as not run, so the command stays < 8 min;
+# run those rows in a second command (bash scripts/matrix-gpu.sh mla ...) if need be.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$repo/gpu-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$repo"/.whl/pydantic_settings-*.whl "$repo"/.whl/python_dotenv-*.whl
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
+    --target /tmp/site "$repo" || exit 1
+rm -rf "$repo/build" "$repo"/*.egg-info
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 KVCACHED_BACKEND=cuda
+cd /tmp
+python3 "$repo/tests/matrix/harness.py" --gpu --deadline "${DEADLINE:-420}" \
+    --out "$out/vllm-gpu.json" "$@" \
+    2>&1 | tee "$out/matrix-gpu.log"

