@@ -23,6 +23,7 @@ needs no tensor, so it is tested against the real `PageAllocator`:
 from __future__ import annotations
 
 import time
+
 from kvcached.allocator import PageAllocator
 from kvcached.engines.sglang.instance import PADDING_PAGE
 
