@@ -1,11 +1,13 @@
 """A deliberately corrupting hook, so that a greedy-token equality test can be shown to fail.
 
-With KVCACHED_SGLANG_DEBUG_CORRUPT_KV=1 in a scheduler's environment, the first time
-the scheduler goes idle with KV pages in use (after the first `generate`, whose
-prefixes stay in the radix cache), every mapped page of every layer is made to hold
-its neighbour's bytes, as a wrongly mapped page would. A second `generate` of the same
-prompts then reads corrupted cached prefixes and must produce different tokens. It is
-a test hook, read here only and never set by kvcached itself.
+With KVCACHED_SGLANG_DEBUG_CORRUPT_KV set in a scheduler's environment, once, while the
+scheduler is idle with KV pages in use (prefixes of finished requests stay in the radix
+cache), every mapped page of every layer is made to hold its neighbour's bytes, as a
+wrongly mapped page would. A later `generate` of the same prompts then reads corrupted
+cached prefixes and must produce different tokens. The value says when: ``1`` at the
+first such idle moment, a file path as soon as that file exists (so a benchmark can
+compare first and corrupt afterwards, in the same engine). It is a test hook, read here
+only and never set by kvcached itself.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ _done = False
 def maybe_corrupt(allocator: Any) -> int:
     """Corrupt the held KV once if CORRUPT_ENV is set; returns the pages touched."""
     global _done
-    if _done or os.environ.get(CORRUPT_ENV, "") != "1":
+    trigger = os.environ.get(CORRUPT_ENV, "")
+    if _done or not trigger or (trigger != "1" and not os.path.exists(trigger)):
         return 0
     from kvcached.engines.sglang import instance
 

@@ -9,8 +9,9 @@ changes them runs on the scheduler's own thread, between batches:
   budget is full (another instance wants to grow): then the stock goes back to
   kvcached and, over the limit, cached prefixes page-first until it fits; under budget
   pressure one extent's worth of cached prefixes at a time.
-* `upkeep_idle` wraps `Scheduler.on_idle` (no batch ran, the scheduler is fully idle):
-  after KVCACHED_CACHE_IDLE_EVICT seconds of idleness every cached prefix and the
+* `upkeep_idle` wraps `Scheduler.on_idle` (no batch ran, the scheduler is fully idle;
+  SGLang calls it at least every second then): the same checks, and after
+  KVCACHED_CACHE_IDLE_EVICT seconds of idleness every cached prefix and the
   stock go back, so an idle instance returns its memory.
 
 Exit: an `atexit` hook closes the instance (pages unmapped, ledger row removed). A
@@ -87,17 +88,22 @@ def busy_upkeep(allocator: Any, tree_cache: Any) -> None:
         capacity.allocator.trim(0)
 
 
+def _checked(served: tuple[Any, Any]) -> None:
+    """`busy_upkeep`, at most every BUSY_CHECK_S."""
+    now = time.monotonic()
+    if now - _state.checked_at >= BUSY_CHECK_S:
+        _state.checked_at = now
+        try:
+            busy_upkeep(*served)
+        except Exception:  # upkeep must never take the scheduler down
+            log.exception("kvcached: upkeep failed")
+
+
 def upkeep_between_batches(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `Scheduler.get_next_batch_to_run`."""
     served = _served(scheduler)
     if served is not None:
-        now = time.monotonic()
-        if now - _state.checked_at >= BUSY_CHECK_S:
-            _state.checked_at = now
-            try:
-                busy_upkeep(*served)
-            except Exception:  # upkeep must never take the scheduler down
-                log.exception("kvcached: upkeep failed")
+        _checked(served)
     plan = original(scheduler, *args, **kwargs)
     if getattr(plan, "batch_to_run", None) is not None:
         _state.idle_since = None
@@ -110,6 +116,7 @@ def upkeep_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any
     served = _served(scheduler)
     if served is not None and scheduler.is_fully_idle():
         allocator, tree_cache = served
+        _checked(served)  # a limit lowered while idle is followed too
         try:
             debug.maybe_corrupt(allocator)
             now = time.monotonic()

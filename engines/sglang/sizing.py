@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvcached.engines.sglang import refusals
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
@@ -43,6 +44,9 @@ def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kw
     from kvcached.cache import open_device_ledger
     from kvcached.registry import get_backend
 
+    # the engine process checked the options already when it loaded the plugin; a
+    # scheduler spawned by an engine that did not (the plugin enabled later) checks here
+    refusals.check(getattr(configurator, "server_args", None))
     check_model(configurator)
     model_config = getattr(configurator, "model_config", None)
     planned_model = getattr(model_config, "model_path", None)
