@@ -105,8 +105,12 @@ class ElasticAllocator:
     def available_size(self) -> int:
         return int(self.kv_capacity.available(self.stock_pages()))
 
+    # An allocation kvcached cannot supply answers None before SGLang's code runs: its
+    # kernels read `free_pages` before they check its length, which is only safe on a
+    # list as long as the whole pool.
     def alloc(self, need_size: int) -> Any:
-        self._top_up(-(-need_size // self.page_size))
+        if not self._top_up(-(-need_size // self.page_size)):
+            return None
         return self._base.alloc(self, need_size)
 
     def alloc_extend(
@@ -127,7 +131,8 @@ class ElasticAllocator:
                     seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
                 )
             )
-        self._top_up(num_new_pages)
+        if not self._top_up(num_new_pages):
+            return None
         return self._base.alloc_extend(
             self,
             prefix_lens,
@@ -143,7 +148,8 @@ class ElasticAllocator:
         from sglang.srt.utils import get_num_new_pages
 
         need = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
-        self._top_up(need)
+        if not self._top_up(need):
+            return None
         return self._base.alloc_decode(self, seq_lens, seq_lens_cpu, last_loc)
 
     def backup_state(self) -> Any:
