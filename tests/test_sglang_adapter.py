@@ -224,6 +224,19 @@ def test_pages_past_sglangs_last_page_are_kept_aside_not_handed_out(ledger_env: 
         found.close()
 
 
+def test_a_take_larger_than_sglangs_pool_pins_no_pages(ledger_env: Path) -> None:
+    # it once took the pages past SGLang's last page as "kept aside" before failing,
+    # pinning the last page id's memory for good
+    found = _instance(ledger_env, rows=101)
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        assert capacity.take(200, wait=0) is None
+        assert found.allocator.used_blocks == 1  # the padding page only
+        assert capacity.kept_aside == []
+    finally:
+        found.close()
+
+
 def test_over_the_limit_is_reported_in_bytes(ledger_env: Path) -> None:
     found = _instance(ledger_env, rows=4 * 8192 + 1)
     try:
@@ -235,7 +248,7 @@ def test_over_the_limit_is_reported_in_bytes(ledger_env: Path) -> None:
         found.cache.set_limit(page_id)
         assert capacity.over_limit() >= 2 * page_id  # busy pages stay mapped until freed
         capacity.give(taken)
-        found.allocator.maintain()
+        assert found.allocator.wait_within_limit(timeout=60)  # releases run on a thread too
         assert capacity.over_limit() == 0
     finally:
         found.close()

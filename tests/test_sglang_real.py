@@ -52,6 +52,7 @@ _PROGRAM = textwrap.dedent(
     slots = alloc.alloc(64 * page_size)
     pool.k_buffer[3][slots] = 1.5  # writes land in mapped memory and read back
     assert float(pool.k_buffer[3][slots].float().mean()) == 1.5
+    assert alloc.alloc(size + 2 * page_size) is None  # more than the pool: None, no raise
     cap = alloc.kv_capacity
     assert cap.held_by_engine(alloc.stock_pages()) == 64 * page_size
     tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,

@@ -94,6 +94,9 @@ class ElasticAllocator:
         """Return every stock page to kvcached (reads the ids: waits for the GPU)."""
         import torch
 
+        if self.stock_pages() == 0:
+            return 0  # nothing to read: no wait for the GPU
+
         ids = torch.cat((self.free_pages, self.release_pages)).tolist()
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.free_pages, self.release_pages = empty, empty.clone()

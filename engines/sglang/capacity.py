@@ -97,6 +97,8 @@ class ElasticCapacity:
         waiting up to `wait` seconds if they were counted obtainable a moment ago)."""
         if n <= 0:
             return []
+        if n > self.unused_pages():
+            return None  # more than SGLang's pool has left (and no page kept aside for it)
         counted = self._obtainable
         deadline = time.monotonic() + wait
         while True:

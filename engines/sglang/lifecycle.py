@@ -32,7 +32,8 @@ log = logging.getLogger("sglang.kvcached")
 
 #: how often (seconds) a busy scheduler looks at its limit and the budget
 BUSY_CHECK_S = 0.05
-#: under budget pressure, at most this often (seconds) is a slice of the cache evicted
+#: under budget pressure, at most this often (seconds) are the stock and a slice of the
+#: cache given back
 PRESSURE_EVICT_S = 0.5
 
 atexit.register(instance.close)
@@ -41,7 +42,7 @@ atexit.register(instance.close)
 class _Upkeep:
     def __init__(self) -> None:
         self.checked_at = 0.0
-        self.pressure_evicted_at = 0.0
+        self.pressure_checked_at = 0.0
         self.idle_since: float | None = None
         self.idle_done = False
 
@@ -77,13 +78,13 @@ def busy_upkeep(allocator: Any, tree_cache: Any) -> None:
                 evicted,
             )
         return
-    if capacity.under_pressure():
-        now = time.monotonic()
-        tokens = 0
-        if now - _state.pressure_evicted_at >= PRESSURE_EVICT_S:
-            _state.pressure_evicted_at = now
-            group = capacity.allocator.group
-            tokens = group.blocks_per_page * capacity.page_size  # one page id's worth
+    now = time.monotonic()
+    if now - _state.pressure_checked_at >= PRESSURE_EVICT_S and capacity.under_pressure():
+        # at most every PRESSURE_EVICT_S: giving back reads the stock's ids (a GPU wait)
+        # and what goes back may be needed again soon by this instance
+        _state.pressure_checked_at = now
+        group = capacity.allocator.group
+        tokens = group.blocks_per_page * capacity.page_size  # one page id's worth
         eviction.give_back(tree_cache, allocator, tokens=tokens)
         capacity.allocator.trim(0)
 
