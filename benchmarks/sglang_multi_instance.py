@@ -46,7 +46,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("model")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--engines", default="sglang,sglang", help="one per instance")
-    ap.add_argument("--budget", default="24GiB", help="the ledger's budget (all instances)")
+    ap.add_argument("--budget", default="16GiB", help="the ledger budget (all instances)")
     ap.add_argument("--seconds", type=float, default=90.0, help="load duration")
     ap.add_argument("--period", type=float, default=30.0, help="a full cycle of slots")
     ap.add_argument("--prompts", type=int, default=128)
