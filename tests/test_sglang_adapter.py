@@ -83,6 +83,22 @@ def test_a_target_in_a_missing_module_is_refused() -> None:
         shims.plan("0.5.16", (gone,))
 
 
+def test_a_refusal_sglangs_loader_swallows_is_raised_again_from_server_args() -> None:
+    registered: list[tuple[str, Any, Any]] = []
+
+    class Recorder:  # records what would go to SGLang's HookRegistry.register
+        @staticmethod
+        def register(target: str, hook: Any, hook_type: Any) -> None:
+            registered.append((target, hook, hook_type))
+
+    refusal = shims.UnsupportedSglang("SGLang 9.9 is not supported")
+    shims._refuse_at_start(Recorder, SimpleNamespace(BEFORE="before"), refusal)
+    [(target, hook, hook_type)] = registered
+    assert target == shims.SERVER_ARGS_INIT and hook_type == "before"
+    with pytest.raises(shims.UnsupportedSglang, match=r"9\.9"):
+        hook(object())  # what ServerArgs(...) runs first
+
+
 def test_every_hook_of_the_table_loads_without_sglang() -> None:
     targets = [shim.target for shim in shims.SHIMS]
     assert len(targets) == len(set(targets))

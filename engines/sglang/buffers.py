@@ -61,6 +61,15 @@ def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:
             f"SGLang runs on {device} but the kvcached backend's memory is on "
             f"{backend.device} (KVCACHED_BACKEND)"
         )
+    if device.startswith("cuda"):
+        import torch
+
+        wanted = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+        if wanted != str(backend.device):
+            raise Refused(
+                f"SGLang's pool is on {wanted} but the kvcached backend maps memory on "
+                f"{backend.device}; set KVCACHED_DEVICE to {wanted.split(':')[1]}"
+            )
     geometry = instance.PoolGeometry(
         segments=segments,
         rows=int(pool.size) + int(pool.page_size),
