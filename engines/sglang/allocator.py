@@ -1,0 +1,245 @@
+"""Scheduler side: SGLang's own allocator, handing out only slots kvcached has mapped.
+
+SGLang builds its allocator in `KVCacheConfigurator._build_token_to_kv_pool_allocator`:
+`TokenToKVPoolAllocator` (page size 1) or `PagedTokenToKVPoolAllocator`. Both keep the
+free pages in a device tensor (`free_pages`) that their Triton kernels read. The hook
+lets SGLang build it, then gives the object an elastic subclass of its own class
+(`__class__` is swapped; every method SGLang does not see changed stays SGLang's):
+
+* `free_pages` starts empty and holds only pages taken from kvcached (the stock,
+  `capacity.py`). Before an allocation the stock is topped up from kvcached to what
+  the allocation needs, computed as SGLang computes it (`get_num_new_pages`), so the
+  kernels only ever see mapped pages. Taking pages from kvcached's warm pool makes no
+  driver call: growth happens on kvcached's pool thread, off the critical path.
+* `available_size()` is the stock plus what kvcached can still supply. SGLang's
+  admission (`PrefillAdder`), radix-cache eviction and decode retraction all read it,
+  so running out of memory is SGLang's own queueing and retraction; an allocation
+  fails only if another instance took the budget in the moment between (`capacity`).
+* Freed pages go back to the stock (SGLang's code); the stock goes back to kvcached
+  when memory must go (`eviction.py`), never on the hot path (reading the device
+  tensor's ids waits for the GPU).
+* `backup_state`/`restore_state` (a rolled-back allocation) keep pages topped up in
+  between, and `clear()` (a cache flush) returns every page but the padding page.
+
+The idle invariant check (`SchedulerInvariantChecker._check_full_pool`) requires
+available + evictable + protected + session-held tokens to equal the pool's size. With
+an elastic pool the size is what SGLang can count free plus what kvcached sees SGLang
+hold, so the check still catches a page SGLang lost track of.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvcached.engines.sglang import instance
+from kvcached.engines.sglang.capacity import ElasticCapacity
+from kvcached.engines.sglang.refusals import Refused
+
+log = logging.getLogger("sglang.kvcached")
+
+#: what a top-up takes beyond the shortfall, in SGLang pages, when kvcached has it
+#: (fewer, larger tensor concatenations; the pages stay in the stock for the next step)
+TOP_UP_EXTRA = 256
+
+
+class ElasticAllocator:
+    """The methods of the elastic subclass of SGLang's allocator class (see the module
+    docstring and `elastic_class`). It is not a base class: a mixin placed before an
+    ABC-derived class changes the object layout, and `__class__` cannot be swapped to
+    such a class, so the methods are copied into a direct subclass and reach SGLang's
+    own through `_base`."""
+
+    _base: Any  # SGLang's allocator class
+
+    free_pages: Any
+    release_pages: Any
+    page_size: int
+    device: Any
+    kv_capacity: ElasticCapacity
+    _topped_since_backup: list[Any]
+
+    def attach(self, capacity: ElasticCapacity) -> None:
+        import torch
+
+        self.kv_capacity = capacity
+        self._topped_since_backup = []
+        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    # -------------------------------------------------------------- the stock
+    def stock_pages(self) -> int:
+        return int(len(self.free_pages) + len(self.release_pages))
+
+    def _top_up(self, pages: int) -> bool:
+        import torch
+
+        short = pages - len(self.free_pages)
+        if short <= 0:
+            return True
+        capacity = self.kv_capacity
+        ids = None
+        if capacity.obtainable() >= short + TOP_UP_EXTRA:
+            ids = capacity.take(short + TOP_UP_EXTRA, wait=0)
+        if ids is None:
+            ids = capacity.take(short)
+        if ids is None:
+            return False
+        added = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        self.free_pages = torch.cat((self.free_pages, added))
+        self._topped_since_backup.append(added)
+        return True
+
+    def give_back_stock(self) -> int:
+        """Return every stock page to kvcached (reads the ids: waits for the GPU)."""
+        import torch
+
+        if self.stock_pages() == 0:
+            return 0  # nothing to read: no wait for the GPU
+
+        ids = torch.cat((self.free_pages, self.release_pages)).tolist()
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.free_pages, self.release_pages = empty, empty.clone()
+        self._topped_since_backup = []
+        self.kv_capacity.give(ids)
+        return len(ids)
+
+    # ------------------------------------------------------- SGLang's contract
+    def available_size(self) -> int:
+        return int(self.kv_capacity.available(self.stock_pages()))
+
+    # An allocation kvcached cannot supply answers None before SGLang's code runs: its
+    # kernels read `free_pages` before they check its length, which is only safe on a
+    # list as long as the whole pool.
+    def alloc(self, need_size: int) -> Any:
+        if not self._top_up(-(-need_size // self.page_size)):
+            return None
+        return self._base.alloc(self, need_size)
+
+    def alloc_extend(
+        self,
+        prefix_lens: Any,
+        prefix_lens_cpu: Any,
+        seq_lens: Any,
+        seq_lens_cpu: Any,
+        last_loc: Any,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> Any:
+        if num_new_pages is None:
+            from sglang.srt.utils import get_num_new_pages
+
+            num_new_pages = int(
+                get_num_new_pages(
+                    seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+                )
+            )
+        if not self._top_up(num_new_pages):
+            return None
+        return self._base.alloc_extend(
+            self,
+            prefix_lens,
+            prefix_lens_cpu,
+            seq_lens,
+            seq_lens_cpu,
+            last_loc,
+            extend_num_tokens,
+            num_new_pages,
+        )
+
+    def alloc_decode(self, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
+        from sglang.srt.utils import get_num_new_pages
+
+        need = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
+        if not self._top_up(need):
+            return None
+        return self._base.alloc_decode(self, seq_lens, seq_lens_cpu, last_loc)
+
+    def backup_state(self) -> Any:
+        self._topped_since_backup = []
+        return self._base.backup_state(self)
+
+    def restore_state(self, state: Any) -> None:
+        import torch
+
+        self._base.restore_state(self, state)
+        if self._topped_since_backup:  # pages taken in between are still ours
+            self.free_pages = torch.cat((self.free_pages, *self._topped_since_backup))
+            self._topped_since_backup = []
+
+    def clear(self) -> None:
+        self._base.clear(self)
+        capacity = getattr(self, "kv_capacity", None)
+        if capacity is None:
+            return  # SGLang's own __init__ (the class is swapped afterwards)
+        allocator = capacity.allocator
+        held = [
+            page
+            for page in range(1, capacity.last_page + 1)
+            if allocator.is_allocated(page) and page not in capacity.kept_aside
+        ]
+        self.attach(capacity)
+        capacity.give(held)
+
+    def resize(self, config: Any) -> None:
+        raise Refused("resizing the pool after start-up (post-capture KV sizing) is not supported")
+
+
+_SERVED = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+_classes: dict[type, type] = {}
+
+
+def elastic_class(cls: type) -> type:
+    """SGLang's allocator class `cls` with `ElasticAllocator` mixed in (cached)."""
+    if cls not in _classes:
+        methods = {
+            name: value
+            for name, value in vars(ElasticAllocator).items()
+            if not name.startswith("__") and name != "_base"
+        }
+        _classes[cls] = type(f"Elastic{cls.__name__}", (cls,), {**methods, "_base": cls})
+    return _classes[cls]
+
+
+def is_elastic(allocator: Any) -> bool:
+    return type(allocator) in _classes.values()
+
+
+def elastic_allocator(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `KVCacheConfigurator._build_token_to_kv_pool_allocator`."""
+    built = original(configurator, *args, **kwargs)
+    found = instance.current()
+    if found is None:
+        raise Refused(
+            "SGLang built its token allocator for a KV pool kvcached does not serve "
+            "(the pool's buffers were not created through the adapter)"
+        )
+    name = type(built).__name__
+    if name not in _SERVED:
+        raise Refused(f"SGLang's {name} is not supported; the adapter serves {', '.join(_SERVED)}")
+    if int(built.page_size) != found.geometry.page_size:
+        raise Refused(f"allocator page size {built.page_size} != pool page size")
+    built.__class__ = elastic_class(type(built))
+    capacity = ElasticCapacity(
+        found.allocator, last_page=found.last_page, page_size=found.geometry.page_size
+    )
+    built.attach(capacity)
+    found.pool_allocator = built
+    log.info("kvcached: %s over %r", type(built).__name__, found.allocator)
+    return built
+
+
+def checks_elastic_capacity(original: Any, checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `SchedulerInvariantChecker._check_full_pool`: the total it checks against
+    is the elastic capacity: what SGLang counted free plus what kvcached sees it hold."""
+    allocator = checker.token_to_kv_pool_allocator
+    if not is_elastic(allocator):
+        return original(checker, ps, *args, **kwargs)
+    capacity = allocator.kv_capacity
+    elastic_total = ps.full_available_size + capacity.held_by_engine(allocator.stock_pages())
+    static_total = checker.max_total_num_tokens
+    checker.max_total_num_tokens = elastic_total
+    try:
+        return original(checker, ps, *args, **kwargs)
+    finally:
+        checker.max_total_num_tokens = static_total

@@ -1,0 +1,76 @@
+"""Giving memory back: the radix cache evicts the prefixes that empty whole pages first.
+
+SGLang's `RadixCache.evict` frees leaves in its eviction policy's order (LRU by
+default) until enough tokens are free. That is right when SGLang needs slots; when
+kvcached must give *memory* back (the instance's limit was lowered, the device budget
+has no room left, the instance has been idle), a freed slot on a page that other live
+slots still use returns nothing. So `evict_emptying_pages` runs SGLang's own `evict`
+with a different priority: the allocator's `release_order` of the leaves' pages
+(pages with the fewest other live slots first, then the highest, so high extents
+drain). The tree stays consistent (SGLang deletes the leaves, records its events and
+metrics); only the order changes. The freed pages land in the allocator's stock and
+`give_back` returns the stock to kvcached, whose allocator releases extents once empty
+(after waiting for the device: `PageAllocator` synchronises before it unmaps, so GPU
+work the overlap scheduler launched one batch ahead finishes reading first).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("sglang.kvcached")
+
+_LAST = 1 << 62  # the rank of a page the order does not know (evicted last)
+
+
+class _PageFirst:
+    """An eviction strategy (SGLang's `EvictionStrategy` protocol): a node's priority is
+    the best release rank of its pages."""
+
+    def __init__(self, rank: dict[int, int], page_size: int) -> None:
+        self._rank = rank
+        self._page_size = page_size
+
+    def get_priority(self, node: Any) -> int:
+        value = getattr(node, "value", None)
+        if value is None or len(value) == 0:
+            return _LAST
+        pages = (value // self._page_size).tolist()
+        return min((self._rank.get(page, _LAST) for page in pages), default=_LAST)
+
+
+def evict_emptying_pages(tree_cache: Any, allocator: Any, num_tokens: int) -> int:
+    """Evict up to `num_tokens` cached tokens, those that empty pages first; returns the
+    tokens evicted. `allocator` is SGLang's (elastic) allocator."""
+    leaves = list(getattr(tree_cache, "evictable_leaves", ()))
+    if num_tokens <= 0 or not leaves:
+        return 0
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    page_size = allocator.page_size
+    slots = torch.cat([leaf.value for leaf in leaves if leaf.value is not None])
+    pages = sorted(set((slots // page_size).tolist()))
+    order = allocator.kv_capacity.allocator.release_order(pages)
+    rank = {page: i for i, page in enumerate(order)}
+    usual = tree_cache.eviction_strategy
+    tree_cache.eviction_strategy = _PageFirst(rank, page_size)
+    try:
+        result = tree_cache.evict(EvictParams(num_tokens=num_tokens))
+    finally:
+        tree_cache.eviction_strategy = usual
+    return int(getattr(result, "num_tokens_evicted", 0))
+
+
+def give_back(tree_cache: Any, allocator: Any, *, tokens: int | None) -> tuple[int, int]:
+    """Evict `tokens` cached tokens (None: every evictable one) page-first, then return
+    the stock to kvcached. Returns (tokens evicted, pages returned)."""
+    evicted = 0
+    if tree_cache is not None:
+        want = tokens
+        if want is None:
+            want = int(tree_cache.evictable_size()) if hasattr(tree_cache, "evictable_size") else 0
+        evicted = evict_emptying_pages(tree_cache, allocator, want)
+    returned = allocator.give_back_stock()
+    return evicted, returned

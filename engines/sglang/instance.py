@@ -1,0 +1,155 @@
+"""The one kvcached instance of an SGLang scheduler process, and how it is named.
+
+SGLang runs one scheduler process per tensor-parallel rank; it holds the model runner,
+the token-to-KV pool and the allocator, all on one thread. The pool's buffers are
+created first (`buffers.py`): that makes the instance here, a `KVCache` over a
+`BackingBuffer` of exactly the pool's geometry, one ledger row, one `PageAllocator`.
+The allocator SGLang builds next (`allocator.py`) finds it here.
+
+Block `b` of the kvcached allocator is SGLang's page `b` (one token slot when
+page_size is 1). Page 0 holds slot 0, where SGLang writes padded tokens: it is taken
+from the allocator as soon as the cache exists, so its memory is mapped before any
+forward pass (CUDA-graph capture included) and is never handed out or released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached.backing import BackingBuffer, blocks_multiple
+from kvcached.cache import KVCache
+from kvcached.config import parse_size, settings
+from kvcached.errors import InvalidArgument
+
+log = logging.getLogger("sglang.kvcached")
+
+PADDING_PAGE = 0
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Where SGLang's pool puts every page: `segments` buffers (2 per layer for MHA,
+    1 for MLA) of `rows` token rows of `row_bytes`, `page_size` rows per page."""
+
+    segments: int
+    rows: int
+    row_bytes: int
+    page_size: int
+
+    @property
+    def pages(self) -> int:
+        """SGLang's pages, the padding page 0 included."""
+        return -(-self.rows // self.page_size)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.row_bytes * self.page_size
+
+    def blocks_per_segment(self, granularity: int) -> int:
+        """The pool's pages rounded up to whole kvcached page ids (the rounding is
+        reserved address space that is never handed out)."""
+        multiple = blocks_multiple(granularity, self.page_bytes)
+        return -(-self.pages // multiple) * multiple
+
+    def backing(self, backend: Any) -> BackingBuffer:
+        blocks = self.blocks_per_segment(backend.granularity)
+        segment_bytes = blocks * self.page_bytes
+        return BackingBuffer(
+            backend,
+            nbytes=self.segments * segment_bytes,
+            num_blocks=blocks,
+            block_bytes=self.page_bytes,
+            segment_offsets=[i * segment_bytes for i in range(self.segments)],
+            name="sglang-kv",
+        )
+
+
+def instance_name(model: str | None) -> str:
+    """KVCACHED_INSTANCE_NAME, else ``sglang-<model folder>-<pid>`` (at most 64 bytes)."""
+    configured = settings().instance_name
+    if configured:
+        return str(configured)
+    base = os.path.basename(str(model or "model").rstrip("/")) or "model"
+    return f"sglang-{base[:40]}-{os.getpid()}"
+
+
+def instance_limit(budget: int) -> int | None:
+    """KVCACHED_INSTANCE_LIMIT in bytes (a size or a percentage of `budget`), or None."""
+    value = settings().instance_limit
+    if value is None or not str(value).strip():
+        return None
+    return parse_size(str(value), total=budget, what="KVCACHED_INSTANCE_LIMIT")
+
+
+class SglangInstance:
+    """An SGLang pool's `KVCache`: allocator, ledger row, pinned padding page."""
+
+    def __init__(self, geometry: PoolGeometry, backend: Any, *, name: str) -> None:
+        self.geometry = geometry
+        self.backing = geometry.backing(backend)
+        self.cache = KVCache(layout=self.backing, name=name, engine="sglang", backend=backend)
+        try:
+            limit = instance_limit(self.cache.ledger.budget)
+            if limit is not None:
+                self.cache.set_limit(limit)
+            self.allocator = self.cache.allocators[0]
+            block = self.allocator.alloc_one()
+            if block != PADDING_PAGE:
+                raise InvalidArgument(
+                    f"kvcached could not map SGLang's padding page (got {block!r}): the "
+                    "instance's limit or the device budget has no room for one page id "
+                    f"({self.allocator.group.page_id_bytes} bytes); give at least that"
+                )
+        except BaseException:
+            self.cache.close()
+            raise
+        #: SGLang's last usable page id (the rounding up to whole page ids is not)
+        self.last_page = geometry.pages - 1
+        self.closed = False
+        self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
+        self.tree_cache: Any = None  # the scheduler's radix cache, once seen (lifecycle.py)
+
+    @property
+    def name(self) -> str:
+        return str(self.cache.account.name)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.cache.close()
+
+    def __repr__(self) -> str:
+        return f"SglangInstance({self.name}, {self.allocator!r})"
+
+
+_lock = threading.Lock()
+_current: SglangInstance | None = None
+
+
+def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangInstance:
+    """Create this process's instance (closing an earlier one)."""
+    global _current
+    with _lock:
+        if _current is not None:
+            _current.close()
+        _current = SglangInstance(geometry, backend, name=instance_name(model))
+        log.info("kvcached: %s, %r", _current.name, _current.backing)
+        return _current
+
+
+def current() -> SglangInstance | None:
+    found = _current
+    return None if found is None or found.closed else found
+
+
+def close() -> None:
+    """Close this process's instance: pages unmapped, ledger row removed. Idempotent."""
+    global _current
+    with _lock:
+        if _current is not None:
+            _current.close()
+            _current = None

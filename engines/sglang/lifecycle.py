@@ -1,0 +1,138 @@
+"""Lifecycle: upkeep on the scheduler's thread, and the cache closing at exit.
+
+SGLang's scheduler, allocator and radix cache are single-threaded, so everything that
+changes them runs on the scheduler's own thread, between batches:
+
+* `upkeep_between_batches` wraps `Scheduler.get_next_batch_to_run`, the step every
+  loop (normal and overlap) takes. At most every `BUSY_CHECK_S` it looks whether the
+  instance is over its limit (`kvctl limit`, KVCACHED_INSTANCE_LIMIT) or the device
+  budget is full (another instance wants to grow): then the stock goes back to
+  kvcached and, over the limit, cached prefixes page-first until it fits; under budget
+  pressure one extent's worth of cached prefixes at a time.
+* `upkeep_idle` wraps `Scheduler.on_idle` (no batch ran, the scheduler is fully idle;
+  SGLang calls it at least every second then): the same checks, and after
+  KVCACHED_CACHE_IDLE_EVICT seconds of idleness every cached prefix and the
+  stock go back, so an idle instance returns its memory.
+
+Exit: an `atexit` hook closes the instance (pages unmapped, ledger row removed). A
+scheduler process that SGLang kills closes nothing: the ledger reclaims its row once
+the process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from typing import Any
+
+from kvcached.engines.sglang import debug, eviction, instance
+
+log = logging.getLogger("sglang.kvcached")
+
+#: how often (seconds) a busy scheduler looks at its limit and the budget
+BUSY_CHECK_S = 0.05
+#: under budget pressure, at most this often (seconds) are the stock and a slice of the
+#: cache given back
+PRESSURE_EVICT_S = 0.5
+
+atexit.register(instance.close)
+
+
+class _Upkeep:
+    def __init__(self) -> None:
+        self.checked_at = 0.0
+        self.pressure_checked_at = 0.0
+        self.idle_since: float | None = None
+        self.idle_done = False
+
+
+_state = _Upkeep()
+
+
+def _served(scheduler: Any) -> tuple[Any, Any] | None:
+    """(SGLang's elastic allocator, radix cache) of this scheduler, if kvcached serves it."""
+    found = instance.current()
+    allocator = getattr(found, "pool_allocator", None)
+    if allocator is None or getattr(scheduler, "token_to_kv_pool_allocator", None) is not allocator:
+        return None
+    return allocator, getattr(scheduler, "tree_cache", None)
+
+
+def busy_upkeep(allocator: Any, tree_cache: Any) -> None:
+    capacity = allocator.kv_capacity
+    excess = capacity.over_limit()
+    if excess > 0:
+        returned = allocator.give_back_stock()
+        capacity.allocator.maintain()
+        excess = capacity.over_limit()
+        evicted = 0
+        if excess > 0 and tree_cache is not None:
+            tokens = -(-excess // capacity.bytes_per_token)
+            evicted, more = eviction.give_back(tree_cache, allocator, tokens=tokens)
+            returned += more
+        if returned or evicted:
+            log.info(
+                "kvcached: over the limit: %d pages returned, %d cached tokens evicted",
+                returned,
+                evicted,
+            )
+        return
+    now = time.monotonic()
+    if now - _state.pressure_checked_at >= PRESSURE_EVICT_S and capacity.under_pressure():
+        # at most every PRESSURE_EVICT_S: giving back reads the stock's ids (a GPU wait)
+        # and what goes back may be needed again soon by this instance
+        _state.pressure_checked_at = now
+        group = capacity.allocator.group
+        tokens = group.blocks_per_page * capacity.page_size  # one page id's worth
+        eviction.give_back(tree_cache, allocator, tokens=tokens)
+        capacity.allocator.trim(0)
+
+
+def _checked(served: tuple[Any, Any]) -> None:
+    """`busy_upkeep`, at most every BUSY_CHECK_S."""
+    now = time.monotonic()
+    if now - _state.checked_at >= BUSY_CHECK_S:
+        _state.checked_at = now
+        try:
+            busy_upkeep(*served)
+        except Exception:  # upkeep must never take the scheduler down
+            log.exception("kvcached: upkeep failed")
+
+
+def upkeep_between_batches(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `Scheduler.get_next_batch_to_run`."""
+    served = _served(scheduler)
+    if served is not None:
+        _checked(served)
+    plan = original(scheduler, *args, **kwargs)
+    if getattr(plan, "batch_to_run", None) is not None:
+        _state.idle_since = None
+        _state.idle_done = False
+    return plan
+
+
+def upkeep_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `Scheduler.on_idle`."""
+    served = _served(scheduler)
+    if served is not None and scheduler.is_fully_idle():
+        allocator, tree_cache = served
+        _checked(served)  # a limit lowered while idle is followed too
+        try:
+            debug.maybe_corrupt(allocator)
+            now = time.monotonic()
+            if _state.idle_since is None:
+                _state.idle_since = now
+            from kvcached.config import settings
+
+            idle_for = float(settings().cache_idle_evict)
+            if not _state.idle_done and now - _state.idle_since >= idle_for:
+                _state.idle_done = True
+                evicted, returned = eviction.give_back(tree_cache, allocator, tokens=None)
+                allocator.kv_capacity.allocator.trim(0)
+                log.info(
+                    "kvcached: idle: %d cached tokens evicted, %d pages returned", evicted, returned
+                )
+        except Exception:
+            log.exception("kvcached: idle upkeep failed")
+    return original(scheduler, *args, **kwargs)

@@ -1,0 +1,56 @@
+"""Pool size: the token capacity comes from the device ledger, not a memory profile.
+
+SGLang 0.5.16 sizes the token-to-KV pool in `KVCacheConfigurator`: it profiles the free
+device memory (`_profile_available_bytes`), keeps `mem_fraction_static` of it, and
+turns those bytes into `max_total_num_tokens`. With kvcached that count is *virtual*:
+as many tokens as the ledger's whole device budget could hold, so an instance can grow
+into all of it while the others are idle; physical memory follows use, and the
+instance's own limit (KVCACHED_INSTANCE_LIMIT, `kvctl limit`) is enforced by the
+allocator at run time. The hook replaces the profiled bytes with the budget; SGLang's
+own code still turns them into tokens, applies `--max-total-tokens` and aligns pages,
+so no `--mem-fraction-static` guess is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvcached.engines.sglang import refusals
+from kvcached.engines.sglang.refusals import Refused
+
+log = logging.getLogger("sglang.kvcached")
+
+#: the model the scheduler serves (names the ledger row), set while sizing
+planned_model: str | None = None
+
+
+def check_model(configurator: Any) -> None:
+    """Refuse the pool families the adapter does not serve (one plain pool only)."""
+    if getattr(configurator, "is_hybrid_swa", False):
+        raise Refused(
+            "hybrid sliding-window models build two KV pools; the adapter serves models "
+            "with one full-attention (MHA or MLA) pool"
+        )
+    if getattr(configurator, "mambaish_config", None) is not None:
+        raise Refused("hybrid Mamba / linear-attention models are not supported yet")
+    if getattr(configurator, "is_draft_worker", False):
+        raise Refused("speculative decoding's draft worker is not supported")
+
+
+def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> int:
+    """AROUND `KVCacheConfigurator._profile_available_bytes`: the ledger's budget."""
+    global planned_model
+    from kvcached.cache import open_device_ledger
+    from kvcached.registry import get_backend
+
+    # the engine process checked the options already when it loaded the plugin; a
+    # scheduler spawned by an engine that did not (the plugin enabled later) checks here
+    refusals.check(getattr(configurator, "server_args", None))
+    check_model(configurator)
+    model_config = getattr(configurator, "model_config", None)
+    planned_model = getattr(model_config, "model_path", None)
+    with open_device_ledger(get_backend()) as ledger:
+        budget = int(ledger.budget)
+    log.info("kvcached: the KV pool is sized for the device budget, %d bytes", budget)
+    return budget

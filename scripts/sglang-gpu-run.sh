@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The SGLang half of the GPU plan, on the H200 device after the recipe in
+# ../shared/device-sglang (SGLang 0.5.16 installed into /tmp/site-sglang, the random
+# Qwen3-0.6B-shaped model in /tmp/m-q06). Installs kvcached from this tree into that
+# site as a distribution (so SGLang's entry-point lookup finds the plugin), then runs:
+#   overhead   benchmarks/sglang_overhead.py: two Engines side by side, throughput ratio,
+#              start-up, greedy equality (also under pool pressure), a corrupted run
+#   multi      benchmarks/sglang_multi_instance.py: two SGLang instances, one ledger
+#   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
+#              vLLM recipe's site; kvcached is installed there too)
+# Each step gets its own KVCACHED_LEDGER_DIR and writes JSON lines under $OUT/<step>/.
+# Two commands of < 10 minutes each (device time is scarce; each Engine start is 50-95 s):
+#   bash scripts/sglang-gpu-run.sh overhead
+#   bash scripts/sglang-gpu-run.sh multi colocated
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$repo/gpu-out}
+model=${MODEL:-/tmp/m-q06}
+steps=${*:-overhead multi colocated}
+mkdir -p "$out"
+
+install_into() {  # site: kvcached as a distribution, no dependencies (the site has them)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
+        --target "$1" "$repo" || return 1
+    rm -rf "$repo/build" "$repo"/*.egg-info
+}
+install_into /tmp/site-sglang || { echo "STEP install: kvcached into /tmp/site-sglang failed"; exit 1; }
+case " $steps " in *" colocated "*)
+    if [ -d /tmp/site ]; then
+        if ls "$repo"/.whl/pydantic_settings-*.whl >/dev/null 2>&1; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --upgrade --target /tmp/site "$repo"/.whl/pydantic_settings-*.whl \
+                "$repo"/.whl/python_dotenv-*.whl
+        fi
+        install_into /tmp/site || echo "STEP install: kvcached into /tmp/site failed"
+    else
+        echo "STEP colocated: /tmp/site (the vLLM recipe's site) is missing: skipped"
+        steps=${steps//colocated/}
+    fi ;;
+esac
+
+export PYTHONPATH=/tmp/site-sglang PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+    SGLANG_USE_SGL_FA3_KERNEL=1 TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+python3 - <<'PY' || { echo "STEP check: the plugin is not visible to SGLang"; exit 1; }
+from importlib.metadata import entry_points, version
+import kvcached, kvcached.engines.sglang as plugin
+found = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
+print("sglang", version("sglang"), "kvcached", kvcached.__file__, "plugins", found)
+assert "kvcached.engines.sglang:register" in found, found
+PY
+cd /tmp
+status=0
+for step in $steps; do
+    dir="$out/$step"
+    mkdir -p "$dir"
+    export KVCACHED_LEDGER_DIR="/tmp/kvcached-ledger-$step"
+    rm -rf "$KVCACHED_LEDGER_DIR" && mkdir -p "$KVCACHED_LEDGER_DIR"
+    echo "STEP $step: begins $(date -u +%T)"
+    case "$step" in
+    overhead)
+        python3 "$repo/benchmarks/sglang_overhead.py" "$model" --out-dir "$dir" \
+            --repeats "${REPEATS:-3}" > "$dir/run.log" 2>&1 ;;
+    multi)
+        python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
+            --engines sglang,sglang --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
+    colocated)
+        python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
+            --engines sglang,vllm --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
+    *)
+        echo "STEP $step: unknown (overhead, multi, colocated)"; status=2; continue ;;
+    esac
+    rc=$?
+    [ $rc -ne 0 ] && status=$rc
+    echo "STEP $step: rc=$rc $(date -u +%T); last lines of $dir/run.log:"
+    tail -n 25 "$dir/run.log"
+done
+echo "=== summary"
+grep -h -E '"step": "(startup|summary|pressure_check|corrupt_check|started|served)"' \
+    "$out"/*/*.jsonl 2>/dev/null
+exit $status

@@ -1,0 +1,331 @@
+"""The SGLang adapter's pure parts, without SGLang: the shim table's checks, the start-up
+refusals, the pool geometry, and the capacity bookkeeping against kvcached's own
+allocator on the host backend (the parts that need SGLang and a GPU are in
+benchmarks/sglang_*.py and run on the device)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvcached.backends.host import HostBackend
+from kvcached.engines.sglang import instance, refusals, shims
+from kvcached.engines.sglang.capacity import ElasticCapacity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def ledger_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_BACKEND", "host")
+    monkeypatch.delenv("KVCACHED_INSTANCE_LIMIT", raising=False)
+    monkeypatch.delenv("KVCACHED_INSTANCE_NAME", raising=False)
+    for name in ("KVCACHED_BUDGET", "KVCACHED_EXTENT_SIZE"):  # set by _instance
+        monkeypatch.setenv(name, "1MiB")
+    return tmp_path
+
+
+# ------------------------------------------------------------------ the plugin
+def test_register_is_inert_and_imports_nothing_without_enable_kvcached() -> None:
+    probe = (
+        "import sys, kvcached.engines.sglang as p; p.register(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch') "
+        "or m.startswith('kvcached.engines.sglang.')))"
+    )
+    env = {"PATH": "/usr/bin:/bin", "ENABLE_KVCACHED": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, env=env
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_entry_point_names_the_register_function() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert (
+        '[project.entry-points."sglang.srt.plugins"]\nkvcached = "kvcached.engines.sglang:register"'
+        in text
+    )
+    assert '"kvcached.engines.sglang",' in text
+
+
+# ------------------------------------------------------------------ the shim table
+def test_an_unsupported_sglang_version_is_refused_naming_it() -> None:
+    with pytest.raises(
+        shims.UnsupportedSglang, match=r"supports SGLang 0\.5\.16; this is SGLang 0\.5\.15"
+    ):
+        shims.plan("0.5.15")
+
+
+def test_a_moved_target_is_refused_naming_the_target_and_the_version() -> None:
+    present = shims.Shim(
+        "present", "kvcached.allocator.PageAllocator.alloc", ("0.5.16",), lambda: print
+    )
+    moved = shims.Shim(
+        "moved", "kvcached.allocator.PageAllocator.no_such_method", ("0.5.16",), lambda: print
+    )
+    assert shims.plan("0.5.16", (present,)) == [present]
+    with pytest.raises(shims.UnsupportedSglang) as refused:
+        shims.plan("0.5.16", (present, moved))
+    assert "kvcached.allocator.PageAllocator.no_such_method" in str(refused.value)
+    assert "SGLang 0.5.16" in str(refused.value)
+    assert "(moved)" in str(refused.value)
+
+
+def test_a_target_in_a_missing_module_is_refused() -> None:
+    gone = shims.Shim("gone", "kvcached.no_such_module.Thing.method", ("0.5.16",), lambda: print)
+    with pytest.raises(shims.UnsupportedSglang, match=r"kvcached\.no_such_module\.Thing\.method"):
+        shims.plan("0.5.16", (gone,))
+
+
+def test_a_refusal_sglangs_loader_swallows_is_raised_again_from_server_args() -> None:
+    registered: list[tuple[str, Any, Any]] = []
+
+    class Recorder:  # records what would go to SGLang's HookRegistry.register
+        @staticmethod
+        def register(target: str, hook: Any, hook_type: Any) -> None:
+            registered.append((target, hook, hook_type))
+
+    refusal = shims.UnsupportedSglang("SGLang 9.9 is not supported")
+    shims._refuse_at_start(Recorder, SimpleNamespace(BEFORE="before"), refusal)
+    [(target, hook, hook_type)] = registered
+    assert target == shims.SERVER_ARGS_INIT and hook_type == "before"
+    with pytest.raises(shims.UnsupportedSglang, match=r"9\.9"):
+        hook(object())  # what ServerArgs(...) runs first
+
+
+def test_every_hook_of_the_table_loads_without_sglang() -> None:
+    targets = [shim.target for shim in shims.SHIMS]
+    assert len(targets) == len(set(targets))
+    for shim in shims.SHIMS:
+        assert shim.versions == shims.SUPPORTED
+        assert callable(shim.hook()), shim.concern
+
+
+# ------------------------------------------------------------------ refusals
+def _args(**overrides: Any) -> SimpleNamespace:
+    defaults: dict[str, Any] = {
+        "enable_hierarchical_cache": False,
+        "enable_lmcache": False,
+        "disaggregation_mode": "null",
+        "enable_dp_attention": False,
+        "enable_memory_saver": False,
+        "enable_hisparse": False,
+        "enable_unified_memory": False,
+        "speculative_algorithm": None,
+        "tp_size": 1,
+        "pp_size": 1,
+        "dp_size": 1,
+        "dcp_size": 1,
+        "kv_cache_dtype": "auto",
+    }
+    defaults.update(overrides)
+    return SimpleNamespace(**defaults)
+
+
+def test_the_default_options_are_accepted() -> None:
+    refusals.check(_args())
+    refusals.check(SimpleNamespace())  # options SGLang left out count as their defaults
+    refusals.check(_args(kv_cache_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("enable_hierarchical_cache", True),
+        ("disaggregation_mode", "prefill"),
+        ("enable_dp_attention", True),
+        ("enable_memory_saver", True),
+        ("enable_lmcache", True),
+        ("speculative_algorithm", "EAGLE"),
+        ("tp_size", 2),
+        ("pp_size", 2),
+        ("kv_cache_dtype", "fp8_e4m3"),
+    ],
+)
+def test_an_unsupported_option_is_refused_naming_it(option: str, value: Any) -> None:
+    with pytest.raises(refusals.Refused) as refused:
+        refusals.check(_args(**{option: value}))
+    message = str(refused.value)
+    assert f"{option}={value!r}" in message
+    assert "Unset ENABLE_KVCACHED" in message
+
+
+def test_sglangs_own_vmm_kv_arena_is_refused() -> None:
+    args = _args()
+    args.post_capture_kv_sizing_planned = lambda: True
+    with pytest.raises(refusals.Refused, match="SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"):
+        refusals.check(args)
+
+
+# ------------------------------------------------------------------ geometry
+def test_the_pool_geometry_puts_every_buffer_on_whole_page_ids() -> None:
+    backend = HostBackend()
+    geometry = instance.PoolGeometry(segments=6, rows=16385, row_bytes=256, page_size=1)
+    backing = geometry.backing(backend)
+    try:
+        group = backing.group
+        assert len(group.segments) == 6
+        assert group.num_blocks >= geometry.pages  # rounded up, never short
+        assert group.num_blocks % group.blocks_per_page == 0
+        assert all(s.offset % group.page_bytes == 0 for s in group.segments)
+    finally:
+        backing.close()
+
+
+def test_a_paged_pool_maps_sglang_pages_to_kvcached_blocks() -> None:
+    geometry = instance.PoolGeometry(segments=2, rows=4096 + 16, row_bytes=512, page_size=16)
+    assert geometry.pages == 257  # the padding page and 256 pages of 16 slots
+    assert geometry.page_bytes == 16 * 512
+
+
+# ------------------------------------------------------------------ capacity
+def _instance(
+    ledger_env: Path, rows: int = 16385, budget: str = "64MiB"
+) -> instance.SglangInstance:
+    import os
+
+    from kvcached.config import reload_settings
+
+    os.environ["KVCACHED_BUDGET"] = budget
+    os.environ["KVCACHED_EXTENT_SIZE"] = "2MiB"  # one page id per extent: releases show
+    reload_settings()
+    geometry = instance.PoolGeometry(segments=4, rows=rows, row_bytes=256, page_size=1)
+    return instance.SglangInstance(geometry, HostBackend(), name=f"test-{rows}")
+
+
+def test_the_padding_page_is_mapped_and_pinned(ledger_env: Path) -> None:
+    found = _instance(ledger_env)
+    try:
+        assert found.allocator.is_allocated(instance.PADDING_PAGE)
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        capacity.give([instance.PADDING_PAGE])  # ignored: never handed out, never freed
+        assert found.allocator.is_allocated(instance.PADDING_PAGE)
+    finally:
+        found.close()
+
+
+def test_the_free_count_is_what_kvcached_can_supply(ledger_env: Path) -> None:
+    found = _instance(ledger_env)
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        free = capacity.available(0)
+        assert 0 < free <= found.last_page  # never more than SGLang's pool has
+        taken = capacity.take(100)
+        assert taken is not None and len(taken) == 100 and 0 not in taken
+        assert capacity.held_by_engine(stock=100) == 0  # all 100 still in the stock
+        assert capacity.held_by_engine(stock=40) == 60  # 60 went to SGLang's requests
+        capacity._counted_at = -1.0
+        expected = min(found.allocator.obtainable_blocks(), capacity.unused_pages())
+        assert capacity.available(0) == expected
+        assert capacity.take(capacity.unused_pages() + 1, wait=0) is None  # past the pool
+    finally:
+        found.close()
+
+
+def test_pages_past_sglangs_last_page_are_kept_aside_not_handed_out(ledger_env: Path) -> None:
+    found = _instance(ledger_env, rows=101)  # the reservation rounds up to a whole page id
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        taken = capacity.take(100)
+        assert taken is not None and max(taken) == 100
+        assert capacity.take(1, wait=0) is None  # SGLang's pool is used up
+        assert capacity.available(0) == 0
+    finally:
+        found.close()
+
+
+def test_a_take_larger_than_sglangs_pool_pins_no_pages(ledger_env: Path) -> None:
+    # it once took the pages past SGLang's last page as "kept aside" before failing,
+    # pinning the last page id's memory for good
+    found = _instance(ledger_env, rows=101)
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        assert capacity.take(200, wait=0) is None
+        assert found.allocator.used_blocks == 1  # the padding page only
+        assert capacity.kept_aside == []
+    finally:
+        found.close()
+
+
+def test_over_the_limit_is_reported_in_bytes(ledger_env: Path) -> None:
+    found = _instance(ledger_env, rows=4 * 8192 + 1)
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        taken = capacity.take(3 * found.allocator.group.blocks_per_page)
+        assert taken is not None
+        assert capacity.over_limit() == 0
+        page_id = found.allocator.group.page_id_bytes
+        found.cache.set_limit(page_id)
+        assert capacity.over_limit() >= 2 * page_id  # busy pages stay mapped until freed
+        allocator = found.allocator
+        assert capacity.over_limit() == allocator.reserved_bytes - allocator.effective_limit
+        found.cache.set_limit(None)  # lifted: nothing is over it any more
+        assert capacity.over_limit() == 0
+        capacity.give(taken)
+    finally:
+        found.close()
+
+
+def test_a_full_budget_is_pressure(ledger_env: Path) -> None:
+    found = _instance(ledger_env, rows=10 * 8192 + 1, budget="40MiB")
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        assert not capacity.under_pressure()
+        while capacity.take(1024, wait=0) is not None:
+            pass
+        assert capacity.under_pressure()
+    finally:
+        found.close()
+
+
+# ------------------------------------------------------------------ the idle invariant
+def _invariant(checker: Any, ps: Any, uncached: int = 0) -> tuple[bool, str]:
+    """SGLang's rule for the full pool: available + evictable + protected == total."""
+    total = ps.full_available_size + ps.full_evictable_size + ps.protected
+    return total != checker.max_total_num_tokens, f"{total} vs {checker.max_total_num_tokens}"
+
+
+class _StockOnly:
+    """Stands in for SGLang's allocator object: a stock count and the capacity."""
+
+    def __init__(self, capacity: ElasticCapacity, stock: int) -> None:
+        self.kv_capacity = capacity
+        self.stock = stock
+
+    def stock_pages(self) -> int:
+        return self.stock
+
+
+def test_the_idle_check_still_catches_a_leaked_page(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.engines.sglang import allocator as elastic
+
+    monkeypatch.setattr(elastic, "is_elastic", lambda _a: True)
+    found = _instance(ledger_env)
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        assert capacity.take(30) is not None
+        pool = _StockOnly(capacity, stock=10)  # 20 pages went to SGLang
+        checker = SimpleNamespace(token_to_kv_pool_allocator=pool, max_total_num_tokens=16384)
+
+        def stats(evictable: int) -> SimpleNamespace:
+            return SimpleNamespace(
+                full_available_size=capacity.available(pool.stock),
+                full_evictable_size=evictable,
+                protected=0,
+            )
+
+        leak, _ = elastic.checks_elastic_capacity(_invariant, checker, stats(evictable=20))
+        assert not leak  # the radix cache accounts for all 20
+        leak, message = elastic.checks_elastic_capacity(_invariant, checker, stats(evictable=19))
+        assert leak, message  # one page lost track of
+        assert checker.max_total_num_tokens == 16384  # the static figure is put back
+    finally:
+        found.close()
