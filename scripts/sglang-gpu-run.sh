@@ -41,6 +41,7 @@ esac
 
 export PYTHONPATH=/tmp/site-sglang PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     SGLANG_USE_SGL_FA3_KERNEL=1 TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+cd /tmp  # not the repository root, whose kvcached/ folder would shadow the installed one
 python3 - <<'PY' || { echo "STEP check: the plugin is not visible to SGLang"; exit 1; }
 from importlib.metadata import entry_points, version
 import kvcached, kvcached.engines.sglang as plugin
@@ -48,7 +49,6 @@ found = [ep.value for ep in entry_points(group="sglang.srt.plugins")]
 print("sglang", version("sglang"), "kvcached", kvcached.__file__, "plugins", found)
 assert "kvcached.engines.sglang:register" in found, found
 PY
-cd /tmp
 status=0
 for step in $steps; do
     dir="$out/$step"
