@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import BackendUnavailable, InvalidArgument
 
@@ -124,6 +124,18 @@ def get_backend(name: str | None = None, *, device: int | None = None) -> Backen
             instance = cls(device=device) if chooses else cls()  # type: ignore[call-arg]
             _instances[key] = instance
         return instance
+
+
+def framework_device() -> int | None:
+    """The ordinal of torch's current GPU in this process (where an engine placed its
+    model: a tensor-parallel rank's own GPU, SGLang's `--base-gpu-id`), or None when
+    torch has no GPU in use here. Pass it to `get_backend(device=...)`."""
+    import sys
+
+    torch: Any = sys.modules.get("torch")  # an engine imported it; never import it here
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
 
 
 def reset() -> None:

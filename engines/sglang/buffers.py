@@ -54,22 +54,19 @@ def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:
             "this SGLang process builds a second KV pool (hybrid or draft models); the "
             "adapter serves models with one token-to-KV pool"
         )
-    backend = get_backend()
     device = str(pool.device)
+    ordinal = None
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.device(device).index
+        ordinal = int(torch.cuda.current_device()) if index is None else int(index)
+    backend = get_backend(device=ordinal)  # the GPU SGLang placed the pool on
     if device.split(":")[0] != str(backend.device).split(":")[0]:
         raise Refused(
             f"SGLang runs on {device} but the kvcached backend's memory is on "
             f"{backend.device} (KVCACHED_BACKEND)"
         )
-    if device.startswith("cuda"):
-        import torch
-
-        wanted = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
-        if wanted != str(backend.device):
-            raise Refused(
-                f"SGLang's pool is on {wanted} but the kvcached backend maps memory on "
-                f"{backend.device}; set KVCACHED_DEVICE to {wanted.split(':')[1]}"
-            )
     geometry = instance.PoolGeometry(
         segments=segments,
         rows=int(pool.size) + int(pool.page_size),

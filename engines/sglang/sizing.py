@@ -42,7 +42,7 @@ def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kw
     """AROUND `KVCacheConfigurator._profile_available_bytes`: the ledger's budget."""
     global planned_model
     from kvcached.cache import open_device_ledger
-    from kvcached.registry import get_backend
+    from kvcached.registry import framework_device, get_backend
 
     # the engine process checked the options already when it loaded the plugin; a
     # scheduler spawned by an engine that did not (the plugin enabled later) checks here
@@ -50,7 +50,7 @@ def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kw
     check_model(configurator)
     model_config = getattr(configurator, "model_config", None)
     planned_model = getattr(model_config, "model_path", None)
-    with open_device_ledger(get_backend()) as ledger:
+    with open_device_ledger(get_backend(device=framework_device())) as ledger:
         budget = int(ledger.budget)
     log.info("kvcached: the KV pool is sized for the device budget, %d bytes", budget)
     return budget

@@ -139,23 +139,13 @@ class _ZerosFromReservation:
         return torch.zeros(*args, **kwargs)
 
 
-def worker_device() -> int | None:
-    """The accelerator ordinal vLLM gave this worker (a tensor-parallel rank's own GPU,
-    torch's current device), or None on a CPU."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return int(torch.cuda.current_device())
-    return None
-
-
 def _serve(
     original: Callable[..., Any], kv_cache_config: Any, model: str | None
 ) -> Callable[..., Any]:
     """Run `original` with its raw KV allocations served from a new kvcached instance."""
-    from kvcached.registry import get_backend
+    from kvcached.registry import framework_device, get_backend
 
-    backend = get_backend(device=worker_device())
+    backend = get_backend(device=framework_device())  # a TP rank: its own GPU
     geometry = geometry_of(kv_cache_config, backend.granularity)
     log.info(
         "kvcached serves %s: %d blocks of %d bytes in %d segment(s) (first %s), calls %s",

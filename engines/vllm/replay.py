@@ -34,10 +34,9 @@ log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 def device_of_worker(worker: Any) -> str:
     """collective_rpc target: the device this worker's KV memory lives on (its ledger)."""
-    from kvcached.engines.vllm.allocation import worker_device
-    from kvcached.registry import get_backend
+    from kvcached.registry import framework_device, get_backend
 
-    return get_backend(device=worker_device()).device
+    return get_backend(device=framework_device()).device
 
 
 def plan_on_worker(worker: Any, blocks: int, first: int, ops: list[tuple[Any, ...]]) -> None:
