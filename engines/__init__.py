@@ -1,1 +1,16 @@
-"""Engine adapters, one folder each; each imports its engine lazily."""
+"""Engine adapters, one folder each; each imports its engine lazily.
+
+Every adapter is a plugin its engine loads in all of its processes; `enabled()` is the
+one switch they share, cheap enough to call before anything else is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def enabled() -> bool:
+    """ENABLE_KVCACHED is set (1, true, yes or on): the engine plugins act."""
+    return os.environ.get("ENABLE_KVCACHED", "").strip().lower() in _TRUE

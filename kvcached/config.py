@@ -327,3 +327,23 @@ def settings() -> Any:
 def reload_settings() -> None:
     """Forget the parsed environment, so the next `settings()` reads it again."""
     settings.cache_clear()
+
+
+def instance_name(engine: str, model: str | None) -> str:
+    """An engine instance's ledger name: KVCACHED_INSTANCE_NAME, else
+    ``<engine>-<model folder>-<pid>`` (at most 64 bytes)."""
+    import os
+
+    configured = settings().instance_name
+    if configured:
+        return str(configured)
+    base = os.path.basename(str(model or "model").rstrip("/")) or "model"
+    return f"{engine}-{base[:40]}-{os.getpid()}"
+
+
+def instance_limit(budget: int) -> int | None:
+    """KVCACHED_INSTANCE_LIMIT in bytes (a size or a percentage of `budget`), or None."""
+    value = settings().instance_limit
+    if value is None or not str(value).strip():
+        return None
+    return parse_size(str(value), total=budget, what="KVCACHED_INSTANCE_LIMIT")

@@ -15,11 +15,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$repo/gpu-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$repo"/.whl/pydantic_settings-*.whl "$repo"/.whl/python_dotenv-*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
-    --target /tmp/site "$repo" || exit 1
-rm -rf "$repo/build" "$repo"/*.egg-info
+bash "$repo/scripts/install-into-site.sh" /tmp/site || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 KVCACHED_BACKEND=cuda
 cd /tmp

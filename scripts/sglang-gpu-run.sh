@@ -19,20 +19,12 @@ model=${MODEL:-/tmp/m-q06}
 steps=${*:-overhead multi colocated}
 mkdir -p "$out"
 
-install_into() {  # site: kvcached as a distribution, no dependencies (the site has them)
-    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
-        --target "$1" "$repo" || return 1
-    rm -rf "$repo/build" "$repo"/*.egg-info
-}
-install_into /tmp/site-sglang || { echo "STEP install: kvcached into /tmp/site-sglang failed"; exit 1; }
+bash "$repo/scripts/install-into-site.sh" /tmp/site-sglang \
+    || { echo "STEP install: kvcached into /tmp/site-sglang failed"; exit 1; }
 case " $steps " in *" colocated "*)
     if [ -d /tmp/site ]; then
-        if ls "$repo"/.whl/pydantic_settings-*.whl >/dev/null 2>&1; then
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-                --upgrade --target /tmp/site "$repo"/.whl/pydantic_settings-*.whl \
-                "$repo"/.whl/python_dotenv-*.whl
-        fi
-        install_into /tmp/site || echo "STEP install: kvcached into /tmp/site failed"
+        bash "$repo/scripts/install-into-site.sh" /tmp/site \
+            || echo "STEP install: kvcached into /tmp/site failed"
     else
         echo "STEP colocated: /tmp/site (the vLLM recipe's site) is missing: skipped"
         steps=${steps//colocated/}

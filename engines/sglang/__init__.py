@@ -26,13 +26,9 @@ token-to-KV pools (page size 1 or more).
 
 from __future__ import annotations
 
-import os
+from kvcached.engines import enabled
 
-_TRUE = ("1", "true", "yes", "on")
-
-
-def enabled() -> bool:
-    return os.environ.get("ENABLE_KVCACHED", "").strip().lower() in _TRUE
+__all__ = ["enabled", "register"]
 
 
 def register() -> None:

@@ -15,14 +15,13 @@ forward pass (CUDA-graph capture included) and is never handed out or released.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from kvcached import config
 from kvcached.backing import BackingBuffer, blocks_multiple
 from kvcached.cache import KVCache
-from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
 
 log = logging.getLogger("sglang.kvcached")
@@ -69,20 +68,8 @@ class PoolGeometry:
 
 
 def instance_name(model: str | None) -> str:
-    """KVCACHED_INSTANCE_NAME, else ``sglang-<model folder>-<pid>`` (at most 64 bytes)."""
-    configured = settings().instance_name
-    if configured:
-        return str(configured)
-    base = os.path.basename(str(model or "model").rstrip("/")) or "model"
-    return f"sglang-{base[:40]}-{os.getpid()}"
-
-
-def instance_limit(budget: int) -> int | None:
-    """KVCACHED_INSTANCE_LIMIT in bytes (a size or a percentage of `budget`), or None."""
-    value = settings().instance_limit
-    if value is None or not str(value).strip():
-        return None
-    return parse_size(str(value), total=budget, what="KVCACHED_INSTANCE_LIMIT")
+    """KVCACHED_INSTANCE_NAME, else ``sglang-<model folder>-<pid>``."""
+    return config.instance_name("sglang", model)
 
 
 class SglangInstance:
@@ -93,7 +80,7 @@ class SglangInstance:
         self.backing = geometry.backing(backend)
         self.cache = KVCache(layout=self.backing, name=name, engine="sglang", backend=backend)
         try:
-            limit = instance_limit(self.cache.ledger.budget)
+            limit = config.instance_limit(self.cache.ledger.budget)
             if limit is not None:
                 self.cache.set_limit(limit)
             self.allocator = self.cache.allocators[0]

@@ -23,13 +23,9 @@ state is refused.
 
 from __future__ import annotations
 
-import os
+from kvcached.engines import enabled
 
-_TRUE = ("1", "true", "yes", "on")
-
-
-def enabled() -> bool:
-    return os.environ.get("ENABLE_KVCACHED", "").strip().lower() in _TRUE
+__all__ = ["enabled", "register"]
 
 
 def register() -> None:

@@ -12,14 +12,13 @@ out or released.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+from kvcached import config
 from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache
-from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
 from kvcached.replay import RecordingBackend
 
@@ -41,20 +40,8 @@ replica_ops: tuple[int, list[Any]] | None = None
 
 
 def instance_name(model: str | None) -> str:
-    """KVCACHED_INSTANCE_NAME, else ``vllm-<model folder>-<pid>`` (at most 64 bytes)."""
-    configured = settings().instance_name
-    if configured:
-        return str(configured)
-    base = os.path.basename(str(model or "model").rstrip("/")) or "model"
-    return f"vllm-{base[:40]}-{os.getpid()}"
-
-
-def instance_limit(budget: int) -> int | None:
-    """KVCACHED_INSTANCE_LIMIT in bytes (a size or a percentage of `budget`), or None."""
-    value = settings().instance_limit
-    if value is None or not str(value).strip():
-        return None
-    return parse_size(str(value), total=budget, what="KVCACHED_INSTANCE_LIMIT")
+    """KVCACHED_INSTANCE_NAME, else ``vllm-<model folder>-<pid>``."""
+    return config.instance_name("vllm", model)
 
 
 class VllmInstance:
@@ -75,7 +62,7 @@ class VllmInstance:
             before_refund=None if recording is None else recording.wait_applied,
         )
         try:
-            limit = instance_limit(self.cache.ledger.budget)
+            limit = config.instance_limit(self.cache.ledger.budget)
             if limit is not None:
                 self.cache.set_limit(limit)
             self.allocator = self.cache.allocators[0]

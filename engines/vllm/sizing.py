@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kvcached import config
 from kvcached.engines.vllm import instance, refusals
 from kvcached.engines.vllm.groups import largest_page
 
@@ -99,7 +100,7 @@ def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
         layers = len(kv_cache_specs[0])
         granularity = backend.granularity
         one_page_id = math.lcm(granularity, page) * layers
-        limit = instance.instance_limit(budget)
+        limit = config.instance_limit(budget)
         if limit is not None and limit < one_page_id:
             raise refusals.Refused(
                 f"KVCACHED_INSTANCE_LIMIT is {limit} bytes, below the {one_page_id} bytes of "

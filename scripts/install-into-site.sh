@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On the device: install kvcached from this tree into an engine's site (the --target
+# folder its PYTHONPATH names) as a distribution, so the engine's entry-point lookup
+# finds the plugin. No dependencies (the site has the engine's), except kvcached's two
+# small ones from .whl/ where the command carried them (the vLLM recipe's site lacks them).
+#   bash scripts/install-into-site.sh /tmp/site
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+site=${1:?usage: install-into-site.sh SITE}
+if ls "$repo"/.whl/pydantic_settings-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$repo"/.whl/pydantic_settings-*.whl "$repo"/.whl/python_dotenv-*.whl \
+        || exit 1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
+    --target "$site" "$repo" || exit 1
+rm -rf "$repo/build" "$repo"/*.egg-info
