@@ -307,6 +307,31 @@ class KVCache(Closeable):
                 self.ledger.close()
 
 
+def start_engine_cache(cache: KVCache, first_block: str) -> PageAllocator:
+    """An engine adapter's start: KVCACHED_INSTANCE_LIMIT applied to `cache`, and block 0
+    of its first group taken, the block the engine writes padded or dummy tokens to
+    (`first_block` names it in the error), so its page is mapped before any forward pass
+    and never handed out. Returns that group's allocator; closes `cache` on failure."""
+    from kvcached.config import instance_limit
+
+    try:
+        limit = instance_limit(cache.ledger.budget)
+        if limit is not None:
+            cache.set_limit(limit)
+        allocator = cache.allocators[0]
+        block = allocator.alloc_one()
+        if block != 0:
+            raise InvalidArgument(
+                f"kvcached could not map {first_block} (got {block!r}): the instance's "
+                "limit or the device budget has no room for one page id "
+                f"({allocator.group.page_id_bytes} bytes); give at least that"
+            )
+    except BaseException:
+        cache.close()
+        raise
+    return allocator
+
+
 _metrics_lock = threading.Lock()
 _metrics_started_in: int | None = None  # pid of the process that started (or tried) it
 

@@ -388,3 +388,14 @@ def test_copies_naming_a_device_twice_or_no_process_are_refused(backend: HostBac
             KVCache(LAYERS, name="bad", backend=backend, copies=copies, **QUIET)
     with pytest.raises(LedgerError):  # refused before any ledger was touched
         _ledger(backend)
+
+
+def test_an_engine_cache_without_room_for_its_first_block_is_refused_and_closed(
+    backend: HostBackend,
+) -> None:
+    from kvcached.cache import start_engine_cache
+
+    cache = KVCache(LAYERS, block_size=16, name="tiny", backend=backend, budget=MiB, **QUIET)
+    with pytest.raises(InvalidArgument, match="could not map the padding block .* no room"):
+        start_engine_cache(cache, "the padding block")
+    assert _ledger(backend).rows() == []  # closed: no row left behind

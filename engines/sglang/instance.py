@@ -21,8 +21,7 @@ from typing import Any
 
 from kvcached import config
 from kvcached.backing import BackingBuffer, blocks_multiple
-from kvcached.cache import KVCache
-from kvcached.errors import InvalidArgument
+from kvcached.cache import KVCache, start_engine_cache
 
 log = logging.getLogger("sglang.kvcached")
 
@@ -79,21 +78,7 @@ class SglangInstance:
         self.geometry = geometry
         self.backing = geometry.backing(backend)
         self.cache = KVCache(layout=self.backing, name=name, engine="sglang", backend=backend)
-        try:
-            limit = config.instance_limit(self.cache.ledger.budget)
-            if limit is not None:
-                self.cache.set_limit(limit)
-            self.allocator = self.cache.allocators[0]
-            block = self.allocator.alloc_one()
-            if block != PADDING_PAGE:
-                raise InvalidArgument(
-                    f"kvcached could not map SGLang's padding page (got {block!r}): the "
-                    "instance's limit or the device budget has no room for one page id "
-                    f"({self.allocator.group.page_id_bytes} bytes); give at least that"
-                )
-        except BaseException:
-            self.cache.close()
-            raise
+        self.allocator = start_engine_cache(self.cache, "SGLang's padding page")
         #: SGLang's last usable page id (the rounding up to whole page ids is not)
         self.last_page = geometry.pages - 1
         self.closed = False

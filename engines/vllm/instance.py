@@ -18,8 +18,7 @@ from typing import Any
 
 from kvcached import config
 from kvcached.backing import BackingBuffer
-from kvcached.cache import KVCache
-from kvcached.errors import InvalidArgument
+from kvcached.cache import KVCache, start_engine_cache
 from kvcached.replay import RecordingBackend
 
 log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
@@ -61,21 +60,7 @@ class VllmInstance:
             copies=copies,
             before_refund=None if recording is None else recording.wait_applied,
         )
-        try:
-            limit = config.instance_limit(self.cache.ledger.budget)
-            if limit is not None:
-                self.cache.set_limit(limit)
-            self.allocator = self.cache.allocators[0]
-            block = self.allocator.alloc_one()
-            if block != NULL_BLOCK:
-                raise InvalidArgument(
-                    f"kvcached could not map vLLM's null block (got {block!r}): the "
-                    "instance's limit or the device budget has no room for one page id "
-                    f"({self.allocator.group.page_id_bytes} bytes)"
-                )
-        except BaseException:
-            self.cache.close()
-            raise
+        self.allocator = start_engine_cache(self.cache, "vLLM's null block")
         self.closed = False
         self.pool: Any = None  # the scheduler's block pool, once built in this process
 
