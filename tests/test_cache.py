@@ -396,6 +396,6 @@ def test_an_engine_cache_without_room_for_its_first_block_is_refused_and_closed(
     from kvcached.cache import start_engine_cache
 
     cache = KVCache(LAYERS, block_size=16, name="tiny", backend=backend, budget=MiB, **QUIET)
-    with pytest.raises(InvalidArgument, match="could not map the padding block .* no room"):
+    with pytest.raises(InvalidArgument, match=r"could not map the padding block .* no room"):
         start_engine_cache(cache, "the padding block")
     assert _ledger(backend).rows() == []  # closed: no row left behind
