@@ -56,6 +56,14 @@ def _maps(pid: int) -> str:
         return ""
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the demo's process, before it starts: SIGINT interrupts. A test runner started
+    in the background (``cmd &``, nohup) hands SIGINT down ignored, and a Python started
+    with it ignored never installs its Ctrl-C handler: these tests would then wait out
+    a demo that cannot hear them."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, list[int], set[str]]:
     """`kvcached demo` with one worker, once that worker has opened the demo's ledger;
     returns the process, its TMPDIR, the worker pids and the semaphores it holds."""
@@ -68,6 +76,7 @@ def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, list[int],
     demo = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )  # fmt: skip
     deadline = time.monotonic() + 180  # a safety net for a hung start, not a measurement
     while time.monotonic() < deadline:

@@ -167,6 +167,14 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the demo's process, before it starts: SIGINT interrupts. A test runner started
+    in the background (``cmd &``, nohup) hands SIGINT down ignored, and a Python started
+    with it ignored never installs its Ctrl-C handler: these tests would then wait out
+    a demo that cannot hear them."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_vllm_demo_stopped_while_servers_start_leaves_no_server_or_folder(
@@ -190,6 +198,7 @@ def test_vllm_demo_stopped_while_servers_start_leaves_no_server_or_folder(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     servers: set[int] = set()
     deadline = time.monotonic() + 180  # a safety net for a hung start, not a measurement
