@@ -177,20 +177,17 @@ class KVCache(Closeable):
             self.account = self.ledger.register(name, engine, limit)
             #: the rows in other devices' ledgers (tensor-parallel copies), with theirs
             self.other_rows: list[tuple[Ledger, LedgerAccount]] = []
+            rows = [(self.account, charged[0][1])]  # (row, copies it is charged for)
             try:
-                for key, _ in charged[1:]:
+                for key, copies_there in charged[1:]:
                     ledger = open_device_ledger(self.backend, budget, key=key)
                     try:
-                        self.other_rows.append((ledger, ledger.register(name, engine, limit)))
+                        row = ledger.register(name, engine, limit)
                     except BaseException:
                         ledger.close()
                         raise
-                rows = [
-                    (account, n)
-                    for account, (_, n) in zip(
-                        [self.account, *(a for _, a in self.other_rows)], charged, strict=True
-                    )
-                ]
+                    self.other_rows.append((ledger, row))
+                    rows.append((row, copies_there))
                 if layout is not None:
                     self.layout = layout
                 elif layers is None:
@@ -231,7 +228,7 @@ class KVCache(Closeable):
         bad = [n for _, n in charged if not isinstance(n, int) or isinstance(n, bool) or n < 1]
         if not charged or bad:
             raise InvalidArgument(
-                f"copies must map ledger keys to positive counts of processes, got {copies!r}"
+                f"copies must map devices to positive counts of processes, got {copies!r}"
             )
         if len({key for key, _ in charged}) != len(charged):
             raise InvalidArgument(f"copies names one device twice: {copies!r}")
