@@ -69,9 +69,9 @@ def test_a_moved_target_is_refused_naming_the_target_and_the_version() -> None:
     moved = shims.Shim(
         "moved", "kvcached.allocator.PageAllocator.no_such_method", ("0.5.16",), lambda: print
     )
-    assert shims.plan("0.5.16", (present,)) == [present]
+    assert shims.plan("0.5.16", (present,), uses=()) == [present]
     with pytest.raises(shims.UnsupportedSglang) as refused:
-        shims.plan("0.5.16", (present, moved))
+        shims.plan("0.5.16", (present, moved), uses=())
     assert "kvcached.allocator.PageAllocator.no_such_method" in str(refused.value)
     assert "SGLang 0.5.16" in str(refused.value)
     assert "(moved)" in str(refused.value)
@@ -80,7 +80,7 @@ def test_a_moved_target_is_refused_naming_the_target_and_the_version() -> None:
 def test_a_target_in_a_missing_module_is_refused() -> None:
     gone = shims.Shim("gone", "kvcached.no_such_module.Thing.method", ("0.5.16",), lambda: print)
     with pytest.raises(shims.UnsupportedSglang, match=r"kvcached\.no_such_module\.Thing\.method"):
-        shims.plan("0.5.16", (gone,))
+        shims.plan("0.5.16", (gone,), uses=())
 
 
 def test_a_refusal_sglangs_loader_swallows_is_raised_again_from_server_args() -> None:
@@ -143,7 +143,6 @@ def test_the_default_options_are_accepted() -> None:
         ("enable_memory_saver", True),
         ("enable_lmcache", True),
         ("speculative_algorithm", "EAGLE"),
-        ("tp_size", 2),
         ("pp_size", 2),
         ("kv_cache_dtype", "fp8_e4m3"),
     ],
@@ -196,7 +195,7 @@ def _instance(
     os.environ["KVCACHED_EXTENT_SIZE"] = "2MiB"  # one page id per extent: releases show
     reload_settings()
     geometry = instance.PoolGeometry(segments=4, rows=rows, row_bytes=256, page_size=1)
-    return instance.SglangInstance(geometry, HostBackend(), name=f"test-{rows}")
+    return instance.single(geometry, HostBackend(), name=f"test-{rows}")
 
 
 def test_the_padding_page_is_mapped_and_pinned(ledger_env: Path) -> None:

@@ -41,6 +41,8 @@ log = logging.getLogger("sglang.kvcached")
 #: what a top-up takes beyond the shortfall, in SGLang pages, when kvcached has it
 #: (fewer, larger tensor concatenations; the pages stay in the stock for the next step)
 TOP_UP_EXTRA = 256
+#: with tensor parallelism a top-up is a broadcast to every rank: take more at once
+SHARED_TOP_UP_EXTRA = 4 * TOP_UP_EXTRA
 
 
 class ElasticAllocator:
@@ -56,7 +58,7 @@ class ElasticAllocator:
     release_pages: Any
     page_size: int
     device: Any
-    kv_capacity: ElasticCapacity
+    kv_capacity: ElasticCapacity  # or a tensor_parallel.SharedCapacity (same methods)
     _topped_since_backup: list[Any]
 
     def attach(self, capacity: ElasticCapacity) -> None:
@@ -78,9 +80,10 @@ class ElasticAllocator:
         if short <= 0:
             return True
         capacity = self.kv_capacity
+        extra = SHARED_TOP_UP_EXTRA if capacity.shared else TOP_UP_EXTRA
         ids = None
-        if capacity.obtainable() >= short + TOP_UP_EXTRA:
-            ids = capacity.take(short + TOP_UP_EXTRA, wait=0)
+        if capacity.obtainable() >= short + extra:
+            ids = capacity.take(short + extra, wait=0)
         if ids is None:
             ids = capacity.take(short)
         if ids is None:
@@ -172,12 +175,7 @@ class ElasticAllocator:
         capacity = getattr(self, "kv_capacity", None)
         if capacity is None:
             return  # SGLang's own __init__ (the class is swapped afterwards)
-        allocator = capacity.allocator
-        held = [
-            page
-            for page in range(1, capacity.last_page + 1)
-            if allocator.is_allocated(page) and page not in capacity.kept_aside
-        ]
+        held = capacity.held_pages()
         self.attach(capacity)
         capacity.give(held)
 
@@ -220,12 +218,9 @@ def elastic_allocator(original: Any, configurator: Any, *args: Any, **kwargs: An
     if int(built.page_size) != found.geometry.page_size:
         raise Refused(f"allocator page size {built.page_size} != pool page size")
     built.__class__ = elastic_class(type(built))
-    capacity = ElasticCapacity(
-        found.allocator, last_page=found.last_page, page_size=found.geometry.page_size
-    )
-    built.attach(capacity)
+    built.attach(found.capacity)
     found.pool_allocator = built
-    log.info("kvcached: %s over %r", type(built).__name__, found.allocator)
+    log.info("kvcached: %s over %r", type(built).__name__, found.capacity)
     return built
 
 

@@ -73,6 +73,11 @@ def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:
         row_bytes=row_bytes,
         page_size=int(pool.page_size),
     )
+    from kvcached.engines.sglang.tensor_parallel import sglang_channel
+
+    channel = sglang_channel()
+    if channel is not None:  # a tensor-parallel rank: rank 0 decides, every rank maps
+        return instance.start_shared(geometry, backend, channel, model=_model_name())
     return instance.start(geometry, backend, model=_model_name())
 
 

@@ -17,7 +17,12 @@ needs no tensor, so it is tested against the real `PageAllocator`:
   retract, as it does when its static pool is full.
 * `held_by_engine(stock)` is what SGLang's requests and radix cache hold according to
   kvcached: the idle invariant check compares SGLang's own count against it.
-* `over_limit()` and `under_pressure()` say when memory must go back.
+* `over_limit()` and `under_pressure()` say when memory must go back;
+  `release_order(pages)` is the order that empties pages soonest, `release_empty()`
+  gives empty extents back to the device now.
+
+A tensor-parallel engine's ranks use `tensor_parallel.SharedCapacity` instead, which
+has the same methods and keeps every rank's answers identical.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class ElasticCapacity:
         last_page: SGLang's highest page id.
         page_size: tokens per page.
     """
+
+    #: one process decides alone (a SharedCapacity's ranks decide together)
+    shared = False
 
     def __init__(self, allocator: PageAllocator, *, last_page: int, page_size: int) -> None:
         self.allocator = allocator
@@ -118,7 +126,24 @@ class ElasticCapacity:
             self.allocator.free(ids)
             self._obtainable += len(ids)
 
+    def held_pages(self) -> list[int]:
+        """SGLang pages kvcached has handed out (not the padding page, not the rounding)."""
+        allocator, aside = self.allocator, set(self.kept_aside)
+        return [
+            page
+            for page in range(PADDING_PAGE + 1, self.last_page + 1)
+            if allocator.is_allocated(page) and page not in aside
+        ]
+
     # -------------------------------------------------------------- giving back
+    def release_order(self, pages: list[int]) -> list[int]:
+        """`pages` in the order that empties kvcached pages soonest (`PageAllocator`)."""
+        return self.allocator.release_order(pages)
+
+    def release_empty(self) -> None:
+        """Give every empty extent back to the device now (waits for the device)."""
+        self.allocator.trim(0)
+
     def over_limit(self) -> int:
         """Bytes held over the instance's limit (0 when within it)."""
         allocator = self.allocator

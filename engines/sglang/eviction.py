@@ -52,7 +52,7 @@ def evict_emptying_pages(tree_cache: Any, allocator: Any, num_tokens: int) -> in
     page_size = allocator.page_size
     slots = torch.cat([leaf.value for leaf in leaves if leaf.value is not None])
     pages = sorted(set((slots // page_size).tolist()))
-    order = allocator.kv_capacity.allocator.release_order(pages)
+    order = allocator.kv_capacity.release_order(pages)
     rank = {page: i for i, page in enumerate(order)}
     usual = tree_cache.eviction_strategy
     tree_cache.eviction_strategy = _PageFirst(rank, page_size)

@@ -10,6 +10,10 @@ Block `b` of the kvcached allocator is SGLang's page `b` (one token slot when
 page_size is 1). Page 0 holds slot 0, where SGLang writes padded tokens: it is taken
 from the allocator as soon as the cache exists, so its memory is mapped before any
 forward pass (CUDA-graph capture included) and is never handed out or released.
+
+With tensor parallelism (`start_shared`) only rank 0 has the `KVCache` and allocator;
+every rank maps its own GPU's memory by replaying rank 0's decisions
+(`tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcached import config
+from kvcached.allocator import PageAllocator
 from kvcached.backing import BackingBuffer, blocks_multiple
 from kvcached.cache import KVCache, start_engine_cache
 
@@ -72,45 +77,108 @@ def instance_name(model: str | None) -> str:
 
 
 class SglangInstance:
-    """An SGLang pool's `KVCache`: allocator, ledger row, pinned padding page."""
+    """An SGLang pool's memory and the capacity its allocator draws from.
 
-    def __init__(self, geometry: PoolGeometry, backend: Any, *, name: str) -> None:
+    One rank (`start`): a `KVCache` over `backing` (allocator, ledger row, pinned
+    padding page) and an `ElasticCapacity`. A tensor-parallel rank (`start_shared`):
+    `backing` is this rank's own reservation, mapped by replaying rank 0's op log;
+    rank 0 alone also has the `KVCache` (over a recording backing) and `allocator`.
+    """
+
+    def __init__(
+        self,
+        geometry: PoolGeometry,
+        backing: BackingBuffer,
+        *,
+        cache: KVCache | None,
+        allocator: PageAllocator | None,
+        capacity: Any,
+        owned: tuple[Any, ...] = (),
+    ) -> None:
         self.geometry = geometry
-        self.backing = geometry.backing(backend)
-        self.cache = KVCache(layout=self.backing, name=name, engine="sglang", backend=backend)
-        self.allocator = start_engine_cache(self.cache, "SGLang's padding page")
+        self.backing = backing  # the views SGLang's kernels use are over this
+        self.cache = cache
+        self.allocator = allocator
+        #: what SGLang's allocator draws from: an ElasticCapacity or a SharedCapacity
+        self.capacity = capacity
         #: SGLang's last usable page id (the rounding up to whole page ids is not)
         self.last_page = geometry.pages - 1
+        self._owned = owned  # closed after the cache (a replica, a recording backing)
         self.closed = False
         self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
         self.tree_cache: Any = None  # the scheduler's radix cache, once seen (lifecycle.py)
 
     @property
     def name(self) -> str:
-        return str(self.cache.account.name)
+        return "follower" if self.cache is None else str(self.cache.account.name)
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.cache.close()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            stop = getattr(self.capacity, "stop", None)
+            if callable(stop):
+                stop()  # no rank waits for the others any more
+            if self.cache is not None:
+                self.cache.close()
+        finally:
+            for thing in self._owned:
+                thing.close()
 
     def __repr__(self) -> str:
-        return f"SglangInstance({self.name}, {self.allocator!r})"
+        return f"SglangInstance({self.name}, {self.capacity!r})"
+
+
+def single(geometry: PoolGeometry, backend: Any, *, name: str) -> SglangInstance:
+    from kvcached.engines.sglang.capacity import ElasticCapacity
+
+    backing = geometry.backing(backend)
+    cache = KVCache(layout=backing, name=name, engine="sglang", backend=backend)
+    allocator = start_engine_cache(cache, "SGLang's padding page")
+    capacity = ElasticCapacity(
+        allocator, last_page=geometry.pages - 1, page_size=geometry.page_size
+    )
+    return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
 
 
 _lock = threading.Lock()
 _current: SglangInstance | None = None
 
 
-def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangInstance:
-    """Create this process's instance (closing an earlier one)."""
+def _replace(make: Any) -> SglangInstance:
     global _current
     with _lock:
         if _current is not None:
             _current.close()
-        _current = SglangInstance(geometry, backend, name=instance_name(model))
+            _current = None
+        _current = make()
         log.info("kvcached: %s, %r", _current.name, _current.backing)
         return _current
+
+
+def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangInstance:
+    """Create this process's instance (closing an earlier one)."""
+    return _replace(lambda: single(geometry, backend, name=instance_name(model)))
+
+
+def start_shared(
+    geometry: PoolGeometry,
+    backend: Any,
+    channel: Any,
+    *,
+    model: str | None,
+    device: str | int | None = None,
+) -> SglangInstance:
+    """This tensor-parallel rank's instance: every rank of `channel` calls it at the same
+    point (SGLang builds its pools in lockstep). `device` names this rank's device for
+    the ledgers (default the backend's)."""
+    from kvcached.engines.sglang.tensor_parallel import start_rank
+
+    here = backend.device if device is None else device
+    return _replace(
+        lambda: start_rank(geometry, backend, channel, name=instance_name(model), device=here)
+    )
 
 
 def current() -> SglangInstance | None:

@@ -68,12 +68,6 @@ def check(args: Any) -> None:
         value = getattr(args, name, off)
         if value not in (off, None, False):
             raise Refused(f"{name}={value!r} is not supported ({why}); run without it")
-    tp = int(_option(args, "tp_size", 1))
-    if tp != 1:
-        raise Refused(
-            f"tp_size={tp} is not supported yet: tensor parallel ranks would each decide "
-            "their own pages; the adapter serves tp_size=1"
-        )
     for name in ("pp_size", "dp_size", "dcp_size"):
         size = int(_option(args, name, 1))
         if size != 1:

@@ -59,6 +59,7 @@ _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _POOLS = "sglang.srt.mem_cache.memory_pool"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
+_RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
 
 SHIMS: tuple[Shim, ...] = (
     # start-up: unsupported options are refused before any process is spawned
@@ -107,6 +108,18 @@ SHIMS: tuple[Shim, ...] = (
     Shim(
         "upkeep while idle", f"{_SCHEDULER}.on_idle", SUPPORTED, _hook("lifecycle", "upkeep_idle")
     ),
+    # tensor parallelism: rank 0's page decisions ride on the requests it broadcasts
+    Shim(
+        "tensor-parallel decisions",
+        f"{_RECEIVER}._broadcast_reqs_across_ranks",
+        SUPPORTED,
+        _hook("tensor_parallel", "carries_decisions"),
+    ),
+)
+
+#: internals the adapter calls without hooking them; a moved one is refused the same way
+USES: tuple[tuple[str, str], ...] = (
+    ("tensor-parallel group", "sglang.srt.distributed.parallel_state.get_tp_group"),
 )
 
 
@@ -133,7 +146,10 @@ def _resolve(target: str) -> Any:
 
 
 def plan(
-    version: str, shims: Sequence[Shim] = SHIMS, resolve: Callable[[str], Any] = _resolve
+    version: str,
+    shims: Sequence[Shim] = SHIMS,
+    resolve: Callable[[str], Any] = _resolve,
+    uses: Sequence[tuple[str, str]] = USES,
 ) -> list[Shim]:
     """The entries to install on SGLang `version`; `UnsupportedSglang`, naming the
     version and the target, when the version is not supported or a target moved."""
@@ -143,12 +159,13 @@ def plan(
             f"SGLang {version}. Unset ENABLE_KVCACHED to run SGLang without kvcached."
         )
     chosen = [shim for shim in shims if version in shim.versions]
-    for shim in chosen:
+    needed = [(shim.concern, shim.target) for shim in chosen] + list(uses)
+    for concern, target in needed:
         try:
-            resolve(shim.target)
+            resolve(target)
         except (ImportError, AttributeError) as exc:
             raise UnsupportedSglang(
-                f"kvcached's SGLang adapter ({shim.concern}) needs {shim.target}, which "
+                f"kvcached's SGLang adapter ({concern}) needs {target}, which "
                 f"SGLang {version} does not have ({exc}); this SGLang build moved an "
                 "internal the adapter was written for. Unset ENABLE_KVCACHED to run "
                 "without kvcached."

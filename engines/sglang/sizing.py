@@ -8,7 +8,9 @@ into all of it while the others are idle; physical memory follows use, and the
 instance's own limit (KVCACHED_INSTANCE_LIMIT, `kvctl limit`) is enforced by the
 allocator at run time. The hook replaces the profiled bytes with the budget; SGLang's
 own code still turns them into tokens, applies `--max-total-tokens` and aligns pages,
-so no `--mem-fraction-static` guess is needed.
+so no `--mem-fraction-static` guess is needed. With tensor parallelism every rank's
+pool must have the same size (they are replicas): the ranks take the smallest of their
+devices' budgets, as SGLang's own profile takes the smallest free memory.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvcached.engines.sglang import refusals
+from kvcached.engines.sglang import refusals, tensor_parallel
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
@@ -52,5 +54,8 @@ def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kw
     planned_model = getattr(model_config, "model_path", None)
     with open_device_ledger(get_backend(device=framework_device())) as ledger:
         budget = int(ledger.budget)
+    channel = tensor_parallel.sglang_channel()
+    if channel is not None:  # every rank's pool must be the same size: the smallest budget
+        budget = channel.min_int(budget)
     log.info("kvcached: the KV pool is sized for the device budget, %d bytes", budget)
     return budget
