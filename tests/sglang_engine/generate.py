@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -41,6 +42,9 @@ ENVIRONMENT = {
     "TVM_FFI_CACHE_DIR": "/tmp/tvm-ffi-cache",
     "FLASHINFER_WORKSPACE_BASE": "/tmp",
 }
+
+#: seconds the engine's shutdown may take once the result is printed
+SHUTDOWN_GRACE_S = 60.0
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         ),
         flush=True,
     )
+    # the result is out; a shutdown that hangs must not turn it into a timed-out run
+    # (the scheduler, SGLang's child, dies with this process)
+    watchdog = threading.Timer(SHUTDOWN_GRACE_S, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
     engine.shutdown()
 
 
