@@ -2,7 +2,8 @@
 
 For every row of `kvcached.random_arch.ARCHITECTURES` it builds the random-weight model,
 runs greedy generation once with the engine alone and once with kvcached (a fresh
-process each, `tests/vllm_engine/generate.py`), and records one outcome:
+process each: `tests/vllm_engine/generate.py`, or `tests/sglang_engine/generate.py`
+with ``--engine sglang``), and records one outcome:
 
 * ``equal``: the greedy tokens match;
 * ``different_tokens``: both ran, the tokens differ (garbled output: a bug);
@@ -22,6 +23,17 @@ layers (`random_arch`'s ``gpu`` scale), the batch is larger and deterministic, a
 equal row also gets its throughput ratio (tokens/s with kvcached over without, one run
 each: a rough figure).
 
+With ``--engine sglang --gpu`` (SGLang 0.5.16 on the H200, scripts/matrix-sglang-gpu.sh)
+the models are the same ``gpu``-scale ones; SGLang starts as benchmarks/sglang_overhead.py
+starts it (deterministic, radix cache on) with the attention backend each architecture
+needs on Hopper (`SGLANG_ATTENTION_BACKENDS`), and the batch runs twice, the second time
+from the radix cache. SGLang runs only on the GPU here.
+
+    python tests/matrix/harness.py --engine sglang --gpu --out $OUT/sglang-gpu.json
+
+A column too long for one device command is run in several (rows named on each);
+``--keep FILE`` carries an earlier command's rows into the new file.
+
 `scripts/render_compatibility.py` turns the JSON files into docs/compatibility.md.
 """
 
@@ -31,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +53,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATE = ROOT / "tests" / "vllm_engine" / "generate.py"
+SGLANG_GENERATE = ROOT / "tests" / "sglang_engine" / "generate.py"
+ENGINES = ("vllm", "sglang")
 
 #: every block its own extent, released as soon as it is empty (as in test_vllm_engine)
 MANY_EXTENTS = {
@@ -58,11 +73,45 @@ GPU_BATCH = (
     *("--prompts", "64", "--prompt-len", "1200", "--max-tokens", "128"),
     *("--no-prefix-caching", "--max-num-seqs", "64", "--kv-bytes", str(16 << 30)),
 )
+#: the SGLang batch: as long as the vLLM-GPU one (64 prompts of 1,200 tokens pass every
+#: sliding window, up to Gemma-4-12B's 1,024), run twice so the second run reads the
+#: radix cache's prefixes; bf16 and the benchmark's context length
+SGLANG_BATCH = (
+    *("--prompts", "64", "--prompt-len", "1200", "--max-tokens", "128", "--repeat", "2"),
+    *("--dtype", "bfloat16", "--context-length", "2048"),
+)
+#: the attention backend per architecture class, read from SGLang 0.5.16 on Hopper:
+#: deterministic mode picks fa3 when none is given (arg_groups/overrides.py,
+#: _deterministic_attention_backend) but Gemma 4 asserts trtllm_mha or triton
+#: (server_args.py), so it gets triton, itself a deterministic, radix-capable choice;
+#: GPT-OSS and DeepSeek (MLA) accept fa3, said explicitly so the order in which SGLang
+#: applies its model and deterministic defaults does not matter. Qwen3 keeps SGLang's
+#: own choice, as in the benchmark that showed it equal; Qwen3.5's text-only class has
+#: no SGLang model (only Qwen3_5ForConditionalGeneration is registered), so it has none.
+SGLANG_ATTENTION_BACKENDS = {
+    "GptOssForCausalLM": "fa3",
+    "Gemma4ForCausalLM": "triton",
+    "DeepseekV2ForCausalLM": "fa3",
+}
+#: the kvcached run's ledger budget, the benchmark's (the pool is sized from it)
+SGLANG_BUDGET = "40GiB"
 OUTCOMES = ("equal", "different_tokens", "crash_at_start", "crash", "refused", "not_run")
 
 
 #: errors that name a root cause better than the last exception does
 ROOT_CAUSES = ("ModuleNotFoundError", "NotImplementedError")
+#: what SGLang's engine process raises after its scheduler failed: the scheduler's own
+#: traceback, above it, names the cause
+WRAPPERS = ("Please see the error messages above", "scheduler died during initialization")
+REFUSAL = ("kvcached: ", "Unset ENABLE_KVCACHED")
+
+
+def _refusal(text: str) -> str | None:
+    """The line holding the adapter's start-up refusal, from its message on."""
+    for line in text.splitlines():
+        if all(mark in line for mark in REFUSAL):
+            return line[line.index(REFUSAL[0]) :].strip()[:400]
+    return None
 
 
 def _last_error(text: str) -> str:
@@ -73,9 +122,50 @@ def _last_error(text: str) -> str:
             return line[line.index(next(c for c in ROOT_CAUSES if c in line)) :][:400]
     for line in reversed(lines):
         head = line.split(":", 1)[0]
+        if any(wrapper in line for wrapper in WRAPPERS):
+            continue
         if head.endswith(("Error", "Exception", "Refused", "UnsupportedVllm")):
             return line[:400]
     return (lines[-1] if lines else "no output")[:400]
+
+
+def engine_env(
+    engine: str, ledger_dir: Path, *, kvcached: bool, many_extents: bool
+) -> dict[str, str]:
+    """The environment of one generation run (this process's, plus the run's switches)."""
+    env = dict(os.environ)
+    env.update(ENABLE_KVCACHED="1" if kvcached else "0", KVCACHED_LEDGER_DIR=str(ledger_dir))
+    if engine == "vllm":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.setdefault("KVCACHED_BACKEND", "host")
+    else:  # SGLang runs on the GPU only; the backend is CUDA's (or KVCACHED_BACKEND)
+        env.setdefault("KVCACHED_BUDGET", SGLANG_BUDGET)
+    if kvcached and many_extents:
+        env.update(MANY_EXTENTS)
+    return env
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run `command` in its own process group: (exit status, stdout, stderr). On timeout
+    the whole group is killed (SGLang's scheduler and detokenizer are children of the
+    generate process). stdout stays apart from stderr: the RESULT line is long, and the
+    engine's other processes log to stderr while it is written."""
+    with subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            stderr = (stderr or "") + f"\nTimeoutError: no result in {timeout:.0f} s"
+            return -signal.SIGKILL, stdout or "", stderr
+        return proc.returncode, stdout or "", stderr or ""
 
 
 def run_engine(
@@ -85,38 +175,31 @@ def run_engine(
     kvcached: bool,
     batch: tuple[str, ...] = BATCH,
     many_extents: bool = True,
+    engine: str = "vllm",
+    timeout: float = 900,
 ) -> dict[str, Any]:
     """One generation run in a fresh process: its result, or how it failed."""
     ledger_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update(
-        ENABLE_KVCACHED="1" if kvcached else "0",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        KVCACHED_LEDGER_DIR=str(ledger_dir),
-    )
-    env.setdefault("KVCACHED_BACKEND", "host")
-    if kvcached and many_extents:
-        env.update(MANY_EXTENTS)
+    env = engine_env(engine, ledger_dir, kvcached=kvcached, many_extents=many_extents)
+    script = GENERATE if engine == "vllm" else SGLANG_GENERATE
     started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, str(GENERATE), str(model), *batch],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    returncode, stdout, stderr = _run(
+        [sys.executable, str(script), str(model), *batch], env, timeout
     )
     seconds = round(time.perf_counter() - started, 1)
-    output = done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode == 0 and lines:
+    output = stdout + stderr
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if returncode == 0 and lines:
         result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
         return {"ok": True, "seconds": seconds, **result}
+    refusal = _refusal(output)
     return {
         "ok": False,
         "seconds": seconds,
-        "error": _last_error(output),
-        "refused": "kvcached: " in output and "Unset ENABLE_KVCACHED" in output,
+        "error": refusal or _last_error(output),
+        "refused": refusal is not None,
         "started": "RESULT" in output or "Processed prompts" in output,
+        "log_tail": output.splitlines()[-60:],
     }
 
 
@@ -132,13 +215,39 @@ def judge(baseline: dict[str, Any], with_kvcached: dict[str, Any]) -> dict[str, 
     if with_kvcached["runs"] != baseline["runs"]:
         return {"outcome": "different_tokens", "detail": "greedy tokens differ"}
     runs = baseline["runs"]
-    return {"outcome": "equal", "detail": f"{len(runs)} runs of {len(runs[0])} prompts equal"}
+    detail = f"{len(runs)} runs of {len(runs[0])} prompts equal"
+    cached = with_kvcached.get("cached_prompt_tokens")
+    if cached:  # SGLang's runs say how much each read from the radix cache
+        detail += f"; prompt tokens from the radix cache per run: {cached}"
+    if "distinct_tokens" in baseline:
+        detail += f"; {baseline['distinct_tokens']} distinct output tokens"
+    return {"outcome": "equal", "detail": detail}
+
+
+def engine_batch(engine: str, name: str, *, gpu: bool) -> tuple[str, ...]:
+    """The generate script's arguments for row `name` on `engine`."""
+    from kvcached.random_arch import ARCHITECTURES
+
+    arch = ARCHITECTURES[name]
+    if engine == "sglang":
+        backend = SGLANG_ATTENTION_BACKENDS.get(arch.architecture)
+        return (*SGLANG_BATCH, *(("--attention-backend", backend) if backend else ()))
+    if gpu:
+        return (*GPU_BATCH, "--dtype", "bfloat16")
+    return (*BATCH, "--dtype", arch.cpu_dtype)
 
 
 def run_row(
-    name: str, work: Path, *, gpu: bool = False, keep_tokens: bool = False
+    name: str,
+    work: Path,
+    *,
+    gpu: bool = False,
+    keep_tokens: bool = False,
+    engine: str = "vllm",
+    timeout: float = 900,
 ) -> dict[str, Any]:
-    """One row's cell; `keep_tokens` adds the engine's own greedy tokens (``runs``)."""
+    """One row's cell; `keep_tokens` adds the engine's own greedy tokens (``runs``);
+    `timeout` (seconds) bounds the row's two runs together."""
     from kvcached.random_arch import ARCHITECTURES, make_arch_model
 
     arch = ARCHITECTURES[name]
@@ -152,17 +261,30 @@ def run_row(
     except Exception as exc:
         detail = f"the model cannot be built here: {type(exc).__name__}: {exc}"[:400]
         return {**row, "outcome": "not_run", "detail": detail}
-    if gpu:
-        batch: tuple[str, ...] = (*GPU_BATCH, "--dtype", "bfloat16")
-    else:
-        batch = (*BATCH, "--dtype", arch.cpu_dtype)
-    baseline = run_engine(model, work / f"{name}-ledger-baseline", kvcached=False, batch=batch)
+    batch = engine_batch(engine, name, gpu=gpu)
+    options = {"batch": batch, "engine": engine}
+    deadline = time.monotonic() + timeout
+    baseline = run_engine(
+        model, work / f"{name}-ledger-baseline", kvcached=False, timeout=timeout, **options
+    )
     # a model the engine cannot run alone says nothing about kvcached: not run with it
     with_kvcached = (
-        run_engine(model, work / f"{name}-ledger", kvcached=True, batch=batch, many_extents=not gpu)
+        run_engine(
+            model,
+            work / f"{name}-ledger",
+            kvcached=True,
+            many_extents=not gpu,
+            timeout=max(30.0, deadline - time.monotonic()),
+            **options,
+        )
         if baseline["ok"]
         else baseline
     )
+    for side, run in (("alone", baseline), ("with kvcached", with_kvcached)):
+        if not run["ok"]:  # the device log keeps what the one-line detail cannot
+            tail = "\n".join(run.get("log_tail", []))
+            print(f"--- {name}, {engine} {side}: last lines\n{tail}", file=sys.stderr)
+            break
     cell = judge(baseline, with_kvcached)
     if gpu and cell["outcome"] == "equal":
         cell["throughput_ratio"] = round(
@@ -176,10 +298,46 @@ def run_row(
     }
 
 
-def engine_label(gpu: bool) -> str:
+def engine_label(gpu: bool, engine: str = "vllm") -> str:
+    if engine == "sglang":
+        from importlib.metadata import version
+
+        return f"SGLang {version('sglang')} (H200)"
     import vllm
 
     return f"vLLM-GPU {vllm.__version__} (H200)" if gpu else f"vLLM-CPU {vllm.__version__}"
+
+
+def table_key(gpu: bool, engine: str = "vllm") -> str:
+    """The column's key: its result file's name and the renderer's column."""
+    return f"{engine}-{'gpu' if gpu else 'cpu'}"
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """How the column was made, for the page's list of runs (without the device paths)."""
+    words = ["python tests/matrix/harness.py"]
+    if args.engine != "vllm":
+        words.append(f"--engine {args.engine}")
+    if args.gpu:
+        words.append("--gpu")
+    words.append(f"--out {args.out.name}")
+    return " ".join(words + list(args.rows))
+
+
+def kept_rows(path: Path | None, engine: str) -> dict[str, dict[str, Any]]:
+    """The rows of an earlier result file of the same column, by architecture; none when
+    there is no such file yet (the first command of a split column)."""
+    if path is None or not path.exists():
+        return {}
+    table = json.loads(path.read_text())
+    if table.get("engine") != engine:
+        raise ValueError(f"{path} holds the {table.get('engine')!r} column, not {engine!r}")
+    return {row["architecture"]: row for row in table["rows"]}
+
+
+#: slack past --deadline for the last row's runs before they are killed (the device
+#: command's own limit is 10 minutes; the scripts' deadlines are 7 minutes or less)
+DEADLINE_GRACE_S = 60.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rows", nargs="*", help=f"rows to run (default all: {list(ARCHITECTURES)})")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument(
+        "--engine", choices=ENGINES, default="vllm", help="the engine to drive (default vllm)"
+    )
+    parser.add_argument(
         "--gpu", action="store_true", help="the H200 column: real KV shapes, throughput"
     )
     parser.add_argument(
@@ -197,27 +358,36 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds: rows that would start past it are recorded as not run",
     )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="an earlier result file of this column: its rows that this command does not "
+        "run (or runs out of time for) are carried into --out",
+    )
     args = parser.parse_args(argv)
     unknown = [row for row in args.rows if row not in ARCHITECTURES]
     if unknown:
         parser.error(f"unknown rows {unknown}; accepted: {', '.join(ARCHITECTURES)}")
+    if args.engine == "sglang" and not args.gpu:
+        parser.error("--engine sglang needs --gpu: SGLang runs on the H200 only here")
     wanted = args.rows or list(ARCHITECTURES)
     table: dict[str, Any] = {
-        "engine": "vllm-gpu" if args.gpu else "vllm-cpu",
-        "label": engine_label(args.gpu),
+        "engine": table_key(args.gpu, args.engine),
+        "label": engine_label(args.gpu, args.engine),
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "command": "python tests/matrix/harness.py "
-        + ("--gpu " if args.gpu else "")
-        + "--out "
-        + str(args.out.name),
+        "command": command_line(args),
         "rows": [],
     }
+    kept = kept_rows(args.keep, table["engine"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started, slowest = time.monotonic(), 0.0
     with tempfile.TemporaryDirectory(prefix="kvcached-matrix-") as tmp:
         for name in ARCHITECTURES:
             if name not in wanted:
+                if name in kept:
+                    table["rows"].append(kept[name])
                 continue
             elapsed = time.monotonic() - started
             if args.deadline is not None and elapsed + slowest > args.deadline:
@@ -229,13 +399,18 @@ def main(argv: list[str] | None = None) -> int:
                     "detail": f"out of time: {elapsed:.0f} s of this command's "
                     f"{args.deadline:.0f} s were spent on the rows before it",
                 }
+                row = kept.get(name, row)  # an earlier command's result beats none
             else:
-                row = run_row(name, Path(tmp), gpu=args.gpu)
+                timeout = 900.0
+                if args.deadline is not None:  # a hung run must not take the rows with it
+                    timeout = max(60.0, args.deadline + DEADLINE_GRACE_S - elapsed)
+                row = run_row(name, Path(tmp), gpu=args.gpu, engine=args.engine, timeout=timeout)
                 slowest = max(slowest, time.monotonic() - started - elapsed)
             print(json.dumps(row), flush=True)
             table["rows"].append(row)
             # written after every row, so a run cut short keeps the rows it finished
             args.out.write_text(json.dumps(table, indent=1) + "\n")
+    args.out.write_text(json.dumps(table, indent=1) + "\n")  # with the kept rows after it
     return 0
 
 

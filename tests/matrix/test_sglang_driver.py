@@ -1,0 +1,266 @@
+"""The matrix harness's SGLang driver, the parts that run without SGLang or a GPU.
+
+The SGLang column itself runs on the H200 (scripts/matrix-sglang-gpu.sh). Here: the
+Engine arguments against SGLang 0.5.16's own ServerArgs fields (where its source is
+unpacked), each row's attention backend and batch, the run environment, how a failed
+run is read (refusal, SGLang's wrapper errors, a hung run), the column's JSON across
+split commands, and its rendering.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import harness
+import render_compatibility
+
+from kvcached.random_arch import ARCHITECTURES
+
+# loaded under its own name: tests/vllm_engine/generate.py is a "generate" module too
+_spec = importlib.util.spec_from_file_location("sglang_generate", harness.SGLANG_GENERATE)
+assert _spec is not None and _spec.loader is not None
+sglang_generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sglang_generate)
+
+#: SGLang 0.5.16's source, unpacked on developer machines that read it (not in CI)
+SGLANG_SOURCE = Path("/tmp/sglang-0.5.16/sglang/srt/server_args.py")
+
+
+def _options(row: str, *, kvcached: bool) -> dict[str, Any]:
+    args = sglang_generate.parse(["/m", *harness.engine_batch("sglang", row, gpu=True)])
+    return sglang_generate.engine_options(args, kvcached=kvcached)
+
+
+def test_baseline_gets_the_benchmarks_static_pool_and_kvcached_does_not() -> None:
+    alone = _options("standard-gqa", kvcached=False)
+    served = _options("standard-gqa", kvcached=True)
+    assert alone.pop("mem_fraction_static") == 0.3
+    assert alone == served  # otherwise the two runs start SGLang alike
+    assert served["enable_deterministic_inference"] is True
+    assert served["dtype"] == "bfloat16" and served["context_length"] == 2048
+    assert "attention_backend" not in served  # Qwen3: SGLang's own choice, as benchmarked
+
+
+@pytest.mark.parametrize(
+    ("row", "backend"),
+    [
+        ("sliding-window-hybrid", "fa3"),
+        ("cross-layer-kv-sharing", "triton"),  # SGLang asserts triton/trtllm_mha for Gemma 4
+        ("heterogeneous-kv-groups", "triton"),
+        ("mla", "fa3"),  # deterministic DeepSeek takes fa3 or triton only
+        ("hybrid-linear-attention", None),
+    ],
+)
+def test_each_row_gets_the_attention_backend_sglang_accepts_for_it(
+    row: str, backend: str | None
+) -> None:
+    assert _options(row, kvcached=True).get("attention_backend") == backend
+
+
+@pytest.mark.skipif(not SGLANG_SOURCE.exists(), reason="SGLang 0.5.16's source is not here")
+def test_every_engine_option_is_a_server_args_field_of_sglang_0_5_16() -> None:
+    fields = set(re.findall(r"^    (\w+): ", SGLANG_SOURCE.read_text(), flags=re.M))
+    for row in ARCHITECTURES:
+        for kvcached in (False, True):
+            unknown = set(_options(row, kvcached=kvcached)) - fields
+            assert unknown == set(), (row, unknown)
+    choices = SGLANG_SOURCE.read_text().split("DETERMINISTIC_ATTENTION_BACKEND_CHOICES = [")[1]
+    for backend in harness.SGLANG_ATTENTION_BACKENDS.values():
+        assert f'"{backend}"' in choices.split("]")[0]  # deterministic mode accepts it
+
+
+def test_the_batch_passes_every_sliding_window_and_fits_the_context() -> None:
+    args = sglang_generate.parse(["/m", *harness.engine_batch("sglang", "mla", gpu=True)])
+    windows = [
+        arch.config(scale="gpu").get("sliding_window") or 0 for arch in ARCHITECTURES.values()
+    ]
+    assert args.prompt_len > max(windows) == 1024
+    assert args.repeat >= 2  # the second run reads the radix cache
+    with pytest.raises(SystemExit):  # a batch past the context is refused up front
+        sglang_generate.parse(["/m", "--prompt-len", "2000", "--max-tokens", "100"])
+
+
+def test_prompts_repeat_and_stay_inside_the_matrix_tokenizer() -> None:
+    first = sglang_generate.prompts(3, 50, seed=0)
+    assert first == sglang_generate.prompts(3, 50, seed=0)
+    assert first != sglang_generate.prompts(3, 50, seed=1)  # the warm-up batch differs
+    assert all(10 <= t < 1000 for p in first for t in p) and len(first[0]) == 50
+
+
+def test_sglang_runs_leave_the_backend_to_the_gpu_and_set_the_benchmarks_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCACHED_BACKEND", raising=False)
+    monkeypatch.delenv("KVCACHED_BUDGET", raising=False)
+    env = harness.engine_env("sglang", tmp_path, kvcached=True, many_extents=False)
+    assert env["ENABLE_KVCACHED"] == "1" and env["KVCACHED_BUDGET"] == "40GiB"
+    assert "KVCACHED_BACKEND" not in env and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert "KVCACHED_EXTENT_SIZE" not in env
+    vllm = harness.engine_env("vllm", tmp_path, kvcached=False, many_extents=True)
+    assert vllm["KVCACHED_BACKEND"] == "host" and vllm["ENABLE_KVCACHED"] == "0"
+
+
+#: what an SGLang engine process prints when its scheduler refused the model
+REFUSED_OUTPUT = """\
+[2026-12-01 10:00:00] Scheduler hit an exception: Traceback (most recent call last):
+  File "sglang/srt/managers/scheduler.py", line 4530, in run_scheduler_process
+kvcached.engines.sglang.refusals.Refused: kvcached: hybrid sliding-window models build \
+two KV pools; the adapter serves models with one full-attention (MHA or MLA) pool. Unset \
+ENABLE_KVCACHED to run without kvcached.
+Traceback (most recent call last):
+  File "tests/sglang_engine/generate.py", line 99, in main
+RuntimeError: Initialization failed. Please see the error messages above.
+"""
+
+
+def test_a_refusal_in_the_scheduler_is_the_cells_detail_not_the_engines_wrapper() -> None:
+    refusal = harness._refusal(REFUSED_OUTPUT)
+    assert refusal is not None and refusal.startswith("kvcached: hybrid sliding-window")
+    assert refusal.endswith("Unset ENABLE_KVCACHED to run without kvcached.")
+    failed = {"ok": False, "refused": True, "error": refusal, "started": False}
+    cell = harness.judge({"ok": True, "runs": [[[1]]]}, failed)
+    assert cell == {"outcome": "refused", "detail": refusal}
+
+
+def test_a_failure_names_the_schedulers_error_not_the_engines_wrapper() -> None:
+    output = REFUSED_OUTPUT.replace(
+        REFUSED_OUTPUT.splitlines()[2], "ValueError: Qwen3_5ForCausalLM has no SGlang model"
+    )
+    assert harness._refusal(output) is None
+    assert harness._last_error(output) == "ValueError: Qwen3_5ForCausalLM has no SGlang model"
+    died = "ValueError: bad\nRuntimeError: Rank 0 scheduler died during initialization (exit"
+    assert harness._last_error(died) == "ValueError: bad"
+    only = "RuntimeError: Initialization failed. Please see the error messages above.\nbye"
+    assert harness._last_error(only) == "bye"  # no exception line: the last line
+
+
+def test_an_equal_sglang_row_says_what_the_radix_cache_and_the_tokens_showed() -> None:
+    runs = [[[5, 6], [7, 7]], [[5, 6], [7, 7]]]
+    base = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300], "distinct_tokens": 3}
+    cell = harness.judge(base, {**base})
+    assert cell["outcome"] == "equal"
+    assert "2 runs of 2 prompts equal" in cell["detail"]
+    assert "[0, 2300]" in cell["detail"] and "3 distinct output tokens" in cell["detail"]
+    other = harness.judge(base, {**base, "runs": [runs[0], [[5, 6], [7, 8]]]})
+    assert other["outcome"] == "different_tokens"
+
+
+def test_a_hung_run_is_killed_with_its_children_and_reads_as_a_timeout(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time;"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True);"
+        "time.sleep(60)"
+    )
+    began = time.monotonic()
+    code, stdout, stderr = harness._run([sys.executable, "-c", script], {}, timeout=3)
+    assert time.monotonic() - began < 20
+    assert code != 0 and "started" in stdout
+    assert harness._last_error(stdout + stderr) == "TimeoutError: no result in 3 s"
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the killed child is reaped by init shortly after
+        if not Path(f"/proc/{child}").exists() or "Z" in _state(child):
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
+def _fake_row(name: str, work: Path, **kwargs: Any) -> dict[str, Any]:
+    # stands in for a device run: the merge logic, not SGLang, is under test here
+    assert kwargs["engine"] == "sglang" and kwargs["gpu"] is True
+    return {"architecture": name, "outcome": "equal", "detail": "now", "throughput_ratio": 1.0}
+
+
+def test_a_split_column_carries_the_earlier_commands_rows_in_row_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(harness, "run_row", _fake_row)
+    monkeypatch.setattr(harness, "engine_label", lambda gpu, engine: "SGLang 0.5.16 (H200)")
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    common = ["--engine", "sglang", "--gpu"]
+    assert harness.main([*common, "--out", str(first), "mla", "standard-gqa"]) == 0
+    again = [*common, "--keep", str(first), "--out", str(second), "cross-layer-kv-sharing"]
+    assert harness.main(again) == 0
+    table = json.loads(second.read_text())
+    assert table["engine"] == "sglang-gpu"
+    assert table["command"].startswith("python tests/matrix/harness.py --engine sglang --gpu")
+    names = [row["architecture"] for row in table["rows"]]
+    assert names == ["standard-gqa", "cross-layer-kv-sharing", "mla"]  # ARCHITECTURES order
+    with pytest.raises(ValueError, match="holds the 'sglang-gpu' column, not 'vllm-gpu'"):
+        harness.kept_rows(second, "vllm-gpu")
+
+
+def test_a_row_cut_by_the_deadline_keeps_its_earlier_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(harness, "engine_label", lambda gpu, engine: "SGLang 0.5.16 (H200)")
+    monkeypatch.setattr(harness, "run_row", _fake_row)
+    earlier = tmp_path / "earlier.json"
+    assert harness.main(["--engine", "sglang", "--gpu", "--out", str(earlier), "mla"]) == 0
+
+    def slow_row(name: str, work: Path, **kwargs: Any) -> dict[str, Any]:
+        time.sleep(0.3)
+        return _fake_row(name, work, **kwargs)
+
+    monkeypatch.setattr(harness, "run_row", slow_row)
+    out = tmp_path / "out.json"
+    argv = ["--engine", "sglang", "--gpu", "--deadline", "0.4", "--keep", str(earlier)]
+    rows_now = ["standard-gqa", "sliding-window-hybrid", "mla"]
+    assert harness.main([*argv, "--out", str(out), *rows_now]) == 0
+    rows = {row["architecture"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["standard-gqa"]["outcome"] == "equal"
+    assert rows["sliding-window-hybrid"]["outcome"] == "not_run"  # cut, nothing earlier
+    assert rows["sliding-window-hybrid"]["detail"].startswith("out of time")
+    assert rows["mla"] == _fake_row("mla", tmp_path, engine="sglang", gpu=True)  # kept
+
+
+def test_sglang_without_the_gpu_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        harness.main(["--engine", "sglang", "--out", "/tmp/never.json"])
+    assert "--engine sglang needs --gpu" in capsys.readouterr().err
+
+
+def test_the_sglang_column_renders_after_the_vllm_columns_with_its_ratio(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    cpu = {"engine": "vllm-cpu", "label": "vLLM-CPU 0.32.0", "rows": []}
+    sglang = {
+        "engine": "sglang-gpu",
+        "label": "SGLang 0.5.16 (H200)",
+        "rows": [
+            {"architecture": "mla", "outcome": "equal", "detail": "x", "throughput_ratio": 0.912},
+            {
+                "architecture": "sliding-window-hybrid",
+                "outcome": "refused",
+                "detail": "kvcached: no",
+            },
+        ],
+    }
+    (results / "vllm-cpu.json").write_text(json.dumps(cpu))
+    (results / "sglang-gpu.json").write_text(json.dumps(sglang))
+    page = render_compatibility.render(render_compatibility.load(results))
+    head = next(line for line in page.splitlines() if line.startswith("| architecture"))
+    assert head.endswith("| vLLM-CPU 0.32.0 | SGLang 0.5.16 (H200) |")
+    mla = next(line for line in page.splitlines() if line.startswith("| `mla`"))
+    swa = next(line for line in page.splitlines() if line.startswith("| `sliding-window"))
+    assert mla.endswith("| ⏳ not run | ✅ equal, 0.91x throughput |")
+    assert swa.endswith("| ➖ refused [1] |")  # noqa: RUF001
+    assert "1. kvcached: no" in page

@@ -1,0 +1,152 @@
+"""Greedy generation with SGLang, with or without kvcached; prints one JSON line.
+
+The SGLang counterpart of tests/vllm_engine/generate.py, run by the compatibility
+matrix (tests/matrix/harness.py --engine sglang) in a fresh process per configuration:
+SGLang loads its plugins once per process and spawns its scheduler, which inherits
+ENABLE_KVCACHED and KVCACHED_* from this process's environment.
+
+The engine starts as benchmarks/sglang_overhead.py starts it on the H200 (bf16,
+``enable_deterministic_inference``, radix cache on, seed 0, context 2048; the baseline
+with SGLang's static pool at ``--mem-fraction``, kvcached with its ledger's budget
+instead), plus the attention backend a row needs (``--attention-backend``). An untimed
+warm-up batch of other prompts runs first, so the kernels SGLang compiles on first use
+fall outside the timed runs on both sides. Then the batch runs ``--repeat`` times; every
+run after the first finds its prompts in the radix cache.
+
+    python generate.py MODEL [--prompts N] [--prompt-len L] [--max-tokens M]
+        [--repeat R] [--dtype D] [--context-length C] [--attention-backend B]
+        [--mem-fraction F] [--log-level L]
+
+The result line: ``RESULT {"runs": [[ids per prompt] per run], "tokens_per_s", ...}``.
+`engine_options` and `prompts` import nothing from SGLang (tested on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import time
+from typing import Any
+
+#: what benchmarks/sglang_overhead.py sets before SGLang is imported: offline, and
+#: sgl-kernel's FA3 without first asking the kernels hub (not installed on the device);
+#: the JIT kernel cache outlives this process, so only the first start compiles
+ENVIRONMENT = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "SGLANG_USE_SGL_FA3_KERNEL": "1",
+    "TVM_FFI_CACHE_DIR": "/tmp/tvm-ffi-cache",
+    "FLASHINFER_WORKSPACE_BASE": "/tmp",
+}
+
+#: seconds the engine's shutdown may take once the result is printed
+SHUTDOWN_GRACE_S = 60.0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=1200)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2, help="runs of the batch (2nd: radix hits)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument("--attention-backend", default=None, help="default: SGLang's choice")
+    ap.add_argument("--mem-fraction", type=float, default=0.3, help="the baseline's pool")
+    ap.add_argument("--log-level", default="error")
+    a = ap.parse_args(argv)
+    if a.prompts < 1 or a.max_tokens < 1 or a.repeat < 1:
+        ap.error("--prompts, --max-tokens and --repeat must be at least 1")
+    if a.prompt_len + a.max_tokens > a.context_length:
+        ap.error(
+            f"--prompt-len {a.prompt_len} + --max-tokens {a.max_tokens} exceed "
+            f"--context-length {a.context_length}"
+        )
+    return a
+
+
+def engine_options(a: argparse.Namespace, *, kvcached: bool) -> dict[str, Any]:
+    """`sglang.Engine`'s keyword arguments (ServerArgs field names in SGLang 0.5.16)."""
+    options: dict[str, Any] = {
+        "model_path": a.model,
+        "tokenizer_path": a.model,
+        "dtype": a.dtype,
+        "context_length": a.context_length,
+        "random_seed": 0,
+        # batch-invariant kernels: the only mode in which bf16 greedy tokens repeat
+        # from one process to the next, so equality with kvcached means something
+        "enable_deterministic_inference": True,
+        "log_level": a.log_level,
+    }
+    if not kvcached:
+        # kvcached sizes the pool from its ledger (engines/sglang/sizing.py); SGLang
+        # alone needs a static share of the GPU, the benchmark's proven 0.3
+        options["mem_fraction_static"] = a.mem_fraction
+    if a.attention_backend:
+        options["attention_backend"] = a.attention_backend
+    return options
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids below the matrix tokenizer's 1,024."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(length)] for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse(argv)
+    for key, value in ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    kvcached = os.environ.get("ENABLE_KVCACHED") == "1"
+
+    from sglang.srt.entrypoints.engine import Engine
+
+    started = time.perf_counter()
+    engine = Engine(**engine_options(a, kvcached=kvcached))
+    startup = time.perf_counter() - started
+    info = engine.get_server_info()
+    params = {"temperature": 0.0, "max_new_tokens": a.max_tokens, "ignore_eos": True}
+    warmup = prompts(8, 64, seed=1)
+    engine.generate(input_ids=warmup, sampling_params={**params, "max_new_tokens": 8})
+    batch = prompts(a.prompts, a.prompt_len, seed=0)
+    runs: list[list[list[int]]] = []
+    cached: list[int] = []
+    generating = 0.0
+    for _ in range(a.repeat):
+        t0 = time.perf_counter()
+        outputs = engine.generate(input_ids=batch, sampling_params=params)
+        generating += time.perf_counter() - t0
+        runs.append([list(out["output_ids"]) for out in outputs])
+        cached.append(
+            sum(int((out.get("meta_info") or {}).get("cached_tokens") or 0) for out in outputs)
+        )
+    generated = sum(len(ids) for run in runs for ids in run)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "runs": runs,
+                "cached_prompt_tokens": cached,
+                "distinct_tokens": len({t for run in runs for ids in run for t in ids}),
+                "max_total_num_tokens": info.get("max_total_num_tokens"),
+                "startup_s": round(startup, 2),
+                "tokens_per_s": round(generated / generating, 1),
+            }
+        ),
+        flush=True,
+    )
+    # the result is out; a shutdown that hangs must not turn it into a timed-out run
+    # (the scheduler, SGLang's child, dies with this process)
+    watchdog = threading.Timer(SHUTDOWN_GRACE_S, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
