@@ -117,7 +117,11 @@ ARCHITECTURES: dict[str, Architecture] = {
             cpu_dtype="bfloat16",
             architecture="GptOssForCausalLM",
             why_hard="two KV groups (sliding window, full) with different lifetimes; MoE",
-            common={"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]},
+            common={
+                "model_type": "gpt_oss",
+                "architectures": ["GptOssForCausalLM"],
+                "swiglu_limit": 7.0,  # the real config's; SGLang's GPT-OSS reads it
+            },
             real={
                 "hidden_size": 2880,
                 "intermediate_size": 2880,
@@ -302,6 +306,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "routed_scaling_factor": 1.0,
                 "scoring_func": "softmax",
                 "norm_topk_prob": False,
+                "moe_layer_freq": 1,  # the real config's; SGLang's DeepSeek reads it
             },
             real={
                 "hidden_size": 2048,

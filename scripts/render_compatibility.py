@@ -83,7 +83,10 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         "`kvcached/random_arch.py`). The batch spans many extents and passes the sliding",
         "windows. ✅ equal · ❌ crash or different tokens · ➖ refused at start-up, with the",  # noqa: RUF001
         "message · ⏳ not run here, with the reason. Throughput is tokens/s with kvcached",
-        "over without, where measured.",
+        "over without, where measured: one run each, the engine alone first (kernels compiled",
+        "on first use are then cached for the second run), so a rough figure, not an overhead",
+        "measurement; `benchmarks/vllm_overhead.py` and `benchmarks/sglang_overhead.py`",
+        "measure that side by side.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
