@@ -83,6 +83,16 @@ def test_a_target_in_a_missing_module_is_refused() -> None:
         shims.plan("0.5.16", (gone,), uses=())
 
 
+def test_a_moved_internal_the_adapter_only_calls_is_refused_too() -> None:
+    # e.g. SGLang's get_tp_group, which the tensor-parallel path calls without hooking it
+    used = ("tensor-parallel group", "sglang.srt.distributed.parallel_state.get_tp_group")
+    assert used in shims.USES
+    uses = (("tensor-parallel group", "kvcached.allocator.no_such_function"),)
+    with pytest.raises(shims.UnsupportedSglang, match=r"\(tensor-parallel group\) needs"):
+        shims.plan("0.5.16", (), uses=uses)
+    assert shims.plan("0.5.16", (), uses=(("present", "kvcached.allocator.PageAllocator"),)) == []
+
+
 def test_a_refusal_sglangs_loader_swallows_is_raised_again_from_server_args() -> None:
     registered: list[tuple[str, Any, Any]] = []
 

@@ -104,12 +104,9 @@ class ProcessGroupChannel:
         return out
 
 
-#: SGLang's function that returns the tensor-parallel group (checked in shims.py)
-TP_GROUP = "sglang.srt.distributed.parallel_state.get_tp_group"
-
-
 def sglang_channel() -> ProcessGroupChannel | None:
-    """This scheduler's TP group as a channel, or None with one rank."""
+    """This scheduler's TP group as a channel, or None with one rank (`get_tp_group` is
+    in shims.USES: a moved one is refused at start-up)."""
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
