@@ -123,3 +123,22 @@ def test_ranks_deciding_alone_drift_apart(tmp_path: Path) -> None:
     pairs = zip(leader["rounds"], follower["rounds"], strict=True)
     differ = [a["ids"] != b["ids"] for a, b in pairs]
     assert any(differ)
+
+
+def test_a_lowered_limit_is_judged_by_rank_0_and_carried_out_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    leader, follower = _run_ranks(tmp_path, "upkeep")
+    # the same stock on both ranks, each over its own mapped memory, charged on both devices
+    assert leader["stock"] == follower["stock"] >= 3 * 8192
+    assert leader["stock_ids"] == follower["stock_ids"]
+    assert leader["mapped_stock"] and follower["mapped_stock"]
+    full = leader["rows_full"]
+    assert full["host-0"] == full["host-1"] >= 4 * PAGE_ID
+    # rank 0 alone saw the lower limit; both gave their stock back and both unmapped
+    assert leader["settled"] and follower["settled"]
+    assert leader["stock_after"] == follower["stock_after"] == 0
+    assert leader["available_after"] == follower["available_after"]
+    assert leader["mappings_after"] == follower["mappings_after"]
+    assert len(follower["mappings_after"]) == 4  # the padding page's page id, 4 segments
+    assert leader["rows_after"] == {"host-0": PAGE_ID, "host-1": PAGE_ID}

@@ -11,8 +11,11 @@ reports its device as "r", so each rank's memory goes to its own ledger (host-0,
 host-1); rank 1 also hosts a neighbour instance on host-1. Each rank writes what it saw
 (ids, counts, its own mappings) to OUT as JSON; the test compares the ranks.
 
-Scenarios: ``shared`` (the adapter's tensor-parallel path) and ``alone`` (each rank
-with its own allocator, with a different history: what the shared path prevents).
+Scenarios: ``shared`` (the adapter's tensor-parallel path), ``alone`` (each rank with
+its own allocator, with a different history: what the shared path prevents) and
+``upkeep`` (the adapter's elastic allocator methods over a stock, and a limit lowered
+on rank 0: rank 0 decides, every rank gives the same stock back, memory is released
+on both devices).
 """
 
 from __future__ import annotations
@@ -96,9 +99,54 @@ def rows_of(name: str) -> dict[str, int]:
     return out
 
 
+class _HostPool:
+    """The attributes of SGLang's allocator that the adapter's elastic methods use (a
+    stock of page ids in a tensor); SGLang's own allocation kernels are not called."""
+
+    page_size = 1
+    device = "cpu"
+
+
+def upkeep(rank: int, found: Any, channel: Any) -> dict[str, Any]:
+    from kvcached.engines.sglang import lifecycle
+    from kvcached.engines.sglang.allocator import elastic_class
+
+    pool = elastic_class(_HostPool)()
+    pool.attach(found.capacity)
+    found.pool_allocator, found.tree_cache = pool, None
+    seen: dict[str, Any] = {}
+    assert pool._top_up(3 * PAGES_PER_ID)  # the stock SGLang's allocations draw from
+    iteration(channel)
+    seen["stock"] = pool.stock_pages()
+    seen["stock_ids"] = pool.free_pages[:: PAGES_PER_ID // 4].tolist()
+    seen["mapped_stock"] = mapped_everywhere(found, pool.free_pages.tolist())
+    if rank == 0:
+        seen["rows_full"] = rows_of(found.cache.account.name)
+        found.cache.set_limit(PAGE_ID)  # kvctl limit NAME 8MiB: rank 0's ledgers only
+    lifecycle.BUSY_CHECK_S = 0.0
+    for _ in range(500):
+        iteration(channel)  # rank 0 decides "limit"; every rank gives its stock back
+        done = channel.broadcast(settled(found.capacity) if rank == 0 else None)
+        if done:
+            break
+        time.sleep(0.01)
+    seen["settled"] = bool(done)
+    seen["stock_after"] = pool.stock_pages()
+    seen["available_after"] = found.capacity.available(pool.stock_pages())
+    seen["mappings_after"] = [(o, p.nbytes) for o, p in found.backing.reservation.mappings()]
+    if rank == 0:
+        seen["rows_after"] = rows_of(found.cache.account.name)
+    dist.barrier()
+    instance.close()
+    return seen
+
+
 def run(rank: int, scenario: str) -> dict[str, Any]:
     backend = get_backend("host")
     channel = tensor_parallel.ProcessGroupChannel(dist.group.WORLD, leader=0, is_leader=rank == 0)
+    if scenario == "upkeep":
+        found = instance.start_shared(GEOMETRY, backend, channel, model="tp", device=str(rank))
+        return upkeep(rank, found, channel)
     if scenario == "shared":
         found = instance.start_shared(GEOMETRY, backend, channel, model="tp", device=str(rank))
     else:
