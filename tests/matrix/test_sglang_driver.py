@@ -264,3 +264,32 @@ def test_the_sglang_column_renders_after_the_vllm_columns_with_its_ratio(tmp_pat
     assert mla.endswith("| ⏳ not run | ✅ equal, 0.91x throughput |")
     assert swa.endswith("| ➖ refused [1] |")  # noqa: RUF001
     assert "1. kvcached: no" in page
+
+
+@pytest.mark.parametrize(
+    ("row", "full", "sliding"),
+    [
+        ("cross-layer-kv-sharing", (512, 1), (256, 1)),  # Gemma 4 E2B's widths
+        ("heterogeneous-kv-groups", (512, 4), (256, 8)),  # fewer, wider global KV heads
+    ],
+)
+def test_a_text_only_gemma4_gets_sglang_its_full_attention_widths(
+    tmp_path: Path, row: str, full: tuple[int, int], sliding: tuple[int, int]
+) -> None:
+    from kvcached.random_arch import ARCHITECTURES
+
+    config = {"model_type": "gemma4_text", **ARCHITECTURES[row].config(scale="gpu")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = sglang_generate.parse([str(tmp_path)])
+    overrides = json.loads(
+        sglang_generate.engine_options(args, kvcached=True)["json_model_override_args"]
+    )
+    assert (overrides["head_dim"], overrides["num_key_value_heads"]) == full
+    assert (overrides["swa_head_dim"], overrides["swa_num_key_value_heads"]) == sliding
+    assert overrides["v_head_dim"] == full[0] and overrides["swa_v_head_dim"] == sliding[0]
+
+
+def test_other_models_get_no_overrides(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    options = sglang_generate.engine_options(sglang_generate.parse([str(tmp_path)]), kvcached=False)
+    assert "json_model_override_args" not in options

@@ -89,7 +89,46 @@ def engine_options(a: argparse.Namespace, *, kvcached: bool) -> dict[str, Any]:
         options["mem_fraction_static"] = a.mem_fraction
     if a.attention_backend:
         options["attention_backend"] = a.attention_backend
+    overrides = config_overrides(a.model)
+    if overrides:
+        options["json_model_override_args"] = json.dumps(overrides)
     return options
+
+
+def gemma4_text_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields SGLang 0.5.16 reads for a standalone `gemma4_text` config.
+
+    Transformers' Gemma4TextConfig keeps the sliding layers' widths in `head_dim` /
+    `num_key_value_heads` and the full-attention layers' in `global_head_dim` /
+    `num_global_key_value_heads`. SGLang takes the base fields for full attention and
+    `swa_*` for sliding, and renames only inside the multimodal `gemma4` wrapper's
+    text config, so a text-only checkpoint loads 512-wide norms into 256-wide
+    parameters (upstream PR #32231). The published models are wrappers; the matrix
+    builds the text model, so the renaming is passed as model overrides."""
+    sliding_dim = int(config.get("head_dim", 256))
+    full_dim = int(config.get("global_head_dim") or sliding_dim)
+    sliding_heads = int(config["num_key_value_heads"])
+    full_heads = int(config.get("num_global_key_value_heads") or sliding_heads)
+    return {
+        "head_dim": full_dim,
+        "v_head_dim": full_dim,
+        "swa_head_dim": sliding_dim,
+        "swa_v_head_dim": sliding_dim,
+        "num_key_value_heads": full_heads,
+        "swa_num_key_value_heads": sliding_heads,
+    }
+
+
+def config_overrides(model: str) -> dict[str, Any]:
+    """Model overrides SGLang needs for the checkpoint in `model` (none for most)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if config.get("model_type") == "gemma4_text":
+        return gemma4_text_overrides(config)
+    return {}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
