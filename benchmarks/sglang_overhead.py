@@ -71,6 +71,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget", default="40GiB", help="the kvcached ledger's device budget")
     ap.add_argument("--pressure-limit", default="2GiB", help="kvcached limit for step 4")
     ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument(
+        "--tp-size", type=int, default=1, help="tensor parallel ranks (GPUs) per engine"
+    )
     ap.add_argument("--skip", default="", help="comma list of pressure,corrupt")
     ap.add_argument("--log-level", default="error")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         os.environ.update(env)  # the scheduler process spawned now inherits it
         options: dict[str, Any] = {}
+        if a.tp_size > 1:  # rank 0 decides the pages, every rank maps them (kvcached side)
+            options["tp_size"] = a.tp_size
         if side == "off":
             options["mem_fraction_static"] = a.mem_fraction
             os.environ.pop(CORRUPT_ENV)

@@ -9,6 +9,7 @@
 #   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
 #              vLLM recipe's site; kvcached is installed there too)
 # Each step gets its own KVCACHED_LEDGER_DIR and writes JSON lines under $OUT/<step>/.
+# TP=2 runs both overhead engines with two tensor-parallel ranks (a two-GPU machine).
 # Two commands of < 10 minutes each (device time is scarce; each Engine start is 50-95 s):
 #   bash scripts/sglang-gpu-run.sh overhead
 #   bash scripts/sglang-gpu-run.sh multi colocated
@@ -51,7 +52,7 @@ for step in $steps; do
     case "$step" in
     overhead)
         python3 "$repo/benchmarks/sglang_overhead.py" "$model" --out-dir "$dir" \
-            --repeats "${REPEATS:-3}" > "$dir/run.log" 2>&1 ;;
+            --repeats "${REPEATS:-3}" --tp-size "${TP:-1}" > "$dir/run.log" 2>&1 ;;
     multi)
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,sglang --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
