@@ -179,7 +179,6 @@ class SharedCapacity:
         self.local = local
         self.recording = recording
         self._counts = Counts(obtainable=0, used=0, kept_aside=0)
-        self._delivered = 0  # ops the other ranks were sent (rank 0)
         self._releasing: threading.Thread | None = None
 
     @property
@@ -217,11 +216,13 @@ class SharedCapacity:
         """Rank 0: a `Step` if the others must hear something (else None)."""
         recording = self.recording
         assert recording is not None
-        first, ops = recording.take()
         counts = self._counts_now()
-        fresh = first + len(ops) > self._delivered
+        # every delivery is acknowledged at once (`apply`), so ops not yet acknowledged
+        # are ops not yet sent; the log is only copied when there is news
+        fresh = recording.pending
         if not (always or fresh or upkeep is not None or counts != self._counts):
             return None
+        first, ops = recording.take()
         self.replica.apply(first, ops)  # rank 0's own GPU, before the others hear of it
         return Step(first, ops, counts, upkeep)
 
@@ -233,7 +234,6 @@ class SharedCapacity:
         if step.ops:  # every rank saw the same step, so every rank takes part
             applied = self.channel.min_int(self.replica.applied)
             if self.recording is not None:
-                self._delivered = max(self._delivered, step.first + len(step.ops))
                 self.recording.acknowledge(applied)
         return step.upkeep
 
