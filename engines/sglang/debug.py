@@ -32,9 +32,9 @@ def maybe_corrupt(allocator: Any) -> int:
     from kvcached.engines.sglang import instance
 
     found = instance.current()
-    if found is None or found.cache is None or found.cache.backend is not found.backing.backend:
-        return 0  # one rank's own instance only (not a tensor-parallel replica)
-    if found.allocator is None or found.allocator.used_blocks <= 1 + allocator.stock_pages():
+    if found is None or found.allocator is None or found.capacity.shared:
+        return 0  # one rank's own instance only (not tensor-parallel ranks)
+    if found.allocator.used_blocks <= 1 + allocator.stock_pages():
         return 0  # nothing cached yet
     _done = True
     return corrupt_mapped_pages(found)
