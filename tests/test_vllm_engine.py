@@ -26,15 +26,9 @@ from kvcached.random_model import make_random_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-GENERATE = Path(__file__).parent / "vllm_engine" / "generate.py"
-#: every block its own extent; released as soon as it is empty
-MANY_EXTENTS = {
-    "KVCACHED_HOST_GRANULARITY": "64KiB",
-    "KVCACHED_EXTENT_SIZE": "64KiB",
-    "KVCACHED_POOL_LOW": "0",
-    "KVCACHED_POOL_HIGH": "0",
-    "KVCACHED_POOL_RELEASE_DELAY": "0",
-}
+# the generate script and the every-block-its-own-extent settings the matrix uses too
+sys.path.insert(0, str(Path(__file__).parent / "matrix"))
+from harness import GENERATE, MANY_EXTENTS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

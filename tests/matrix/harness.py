@@ -56,7 +56,7 @@ GENERATE = ROOT / "tests" / "vllm_engine" / "generate.py"
 SGLANG_GENERATE = ROOT / "tests" / "sglang_engine" / "generate.py"
 ENGINES = ("vllm", "sglang")
 
-#: every block its own extent, released as soon as it is empty (as in test_vllm_engine)
+#: every block its own extent, released as soon as it is empty (test_vllm_engine too)
 MANY_EXTENTS = {
     "KVCACHED_HOST_GRANULARITY": "64KiB",
     "KVCACHED_EXTENT_SIZE": "64KiB",
