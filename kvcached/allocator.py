@@ -1115,7 +1115,12 @@ class PageAllocator(Closeable):
         while True:
             limit = self._limit_now()
             with self._lock:
-                held = self._reserved + self._inflight - self._releasing
+                # The pool thread may be growing toward the new floor, or releasing,
+                # right now: let that land, so the bytes returned are the bytes held
+                # and growth that fails is made up for here.
+                while self._inflight or self._releasing:
+                    self._cond.wait()
+                held = self._reserved
             if held >= nbytes:
                 break
             need = -(-(nbytes - held) // self._page_id_bytes)

@@ -444,6 +444,22 @@ def test_the_account_limit_is_followed_at_runtime(group: KVGroup) -> None:
     assert account.charged == 0
 
 
+def test_resize_counts_growth_in_flight_only_once_it_has_landed(
+    backend: CountingHost, group: KVGroup
+) -> None:
+    # regression (a CI flake): the pool thread grew toward resize's new floor while
+    # resize ran; resize counted that growth as held and returned the bytes held
+    # before it landed, one page id short
+    with make(group) as alloc:
+        assert alloc.alloc(2 * BPP) is not None
+        backend.create_delay = 0.5
+        grower = threading.Thread(target=alloc.alloc, args=(BPP,))
+        grower.start()
+        wait_until(lambda: alloc.stats().inflight_bytes > 0)
+        assert alloc.resize(3 * PAGE_ID) == 3 * PAGE_ID == alloc.reserved_bytes
+        grower.join()
+
+
 # ------------------------------------------------------------------------------ pool
 def test_background_thread_refills_the_pool(backend: CountingHost, group: KVGroup) -> None:
     alloc = make(
