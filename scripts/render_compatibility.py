@@ -2,7 +2,7 @@
 
 Each file in tests/matrix/results/ is one engine's column, written by
 tests/matrix/harness.py (CPU) or scripts/matrix-gpu.sh (H200); a row missing from a
-column is shown as not run. The page is generated: edit the JSON or this script, never
+column is shown as not run, saying so. The page is generated: edit the JSON or this script, never
 the Markdown.
 
     python scripts/render_compatibility.py [--results DIR] [--out docs/compatibility.md]
@@ -49,9 +49,13 @@ def load(results: Path) -> dict[str, dict[str, Any]]:
     return tables
 
 
+#: the reason shown for a row that a column's result file lacks
+NOT_IN_COLUMN = "not run: the row is newer than this column's last run"
+
+
 def _cell(row: dict[str, Any] | None, notes: list[str]) -> str:
     if row is None:
-        return "⏳ not run"
+        row = {"outcome": "not_run", "detail": NOT_IN_COLUMN}
     text = SYMBOLS[row["outcome"]]
     ratio = row.get("throughput_ratio")
     if ratio is not None:

@@ -23,17 +23,29 @@ def _config(architecture: str) -> Any:
     )
 
 
-def test_mamba_state_layers_are_refused_at_start_up_naming_the_architecture() -> None:
+def test_kv_spec_kinds_not_shown_equal_are_refused_at_start_up_naming_the_architecture() -> None:
     from kvcached.engines.vllm.refusals import Refused, check
+
+    full = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
+    chunked = type("ChunkedLocalAttentionSpec", (), {"page_size_bytes": 4096})()
+    specs = [{"layers.0": chunked, "layers.1": chunked, "layers.2": chunked, "layers.3": full}]
+    with pytest.raises(Refused) as refused:
+        check(_config("Llama4ForConditionalGeneration"), specs)
+    message = str(refused.value)
+    assert (
+        "Llama4ForConditionalGeneration has KV cache layers of kind ChunkedLocalAttentionSpec"
+        in message
+    )
+    assert "FullAttentionSpec" in message and "MambaSpec" in message  # what works
+
+
+def test_gated_deltanet_state_beside_full_attention_is_not_refused() -> None:
+    from kvcached.engines.vllm.refusals import check
 
     full = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
     state = type("MambaSpec", (), {"page_size_bytes": 4096})()
     specs = [{"layers.0": state, "layers.1": state, "layers.2": state, "layers.3": full}]
-    with pytest.raises(Refused) as refused:
-        check(_config("Qwen3_5ForCausalLM"), specs)
-    message = str(refused.value)
-    assert "Qwen3_5ForCausalLM has KV cache layers of kind MambaSpec" in message
-    assert "FullAttentionSpec" in message and "SlidingWindowSpec" in message  # what works
+    assert check(_config("Qwen3NextForCausalLM"), specs) == [state, state, state, full]
 
 
 def test_sliding_window_beside_full_attention_is_not_refused() -> None:
@@ -123,9 +135,10 @@ def test_renderer_fills_every_row_and_footnotes_what_is_not_equal(tmp_path: Path
     mla = next(line for line in page.splitlines() if line.startswith("| `mla`"))
     swa = next(line for line in page.splitlines() if line.startswith("| `sliding-window"))
     assert gqa.endswith("| ✅ equal |")
-    assert mla.endswith("| ➖ refused [1] |")  # noqa: RUF001
-    assert swa.endswith("| ⏳ not run |")  # a row missing from a column
-    assert "1. kvcached: MLA is refused" in page
+    assert swa.endswith("| ⏳ not run [1] |")  # a row missing from a column, saying so
+    assert mla.endswith("| ➖ refused [2] |")  # noqa: RUF001
+    assert "1. not run: the row is newer than this column's last run" in page
+    assert "2. kvcached: MLA is refused" in page
 
 
 def test_renderer_rejects_an_unknown_outcome_naming_the_accepted_ones(tmp_path: Path) -> None:
