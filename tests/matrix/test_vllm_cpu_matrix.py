@@ -29,8 +29,21 @@ from kvcached.random_arch import ARCHITECTURES, make_arch_model
 pytestmark = pytest.mark.slow
 
 COMMITTED = Path(__file__).parent / "results" / "vllm-cpu.json"
-#: rows the adapter serves beyond full attention (groups.py: KV cache groups, MLA)
-NEWLY_SERVED = ("sliding-window-hybrid", "cross-layer-kv-sharing", "heterogeneous-kv-groups", "mla")
+#: rows the adapter serves beyond full attention (groups.py: KV cache groups, Gated
+#: DeltaNet state, MLA)
+#: 16 page ids of 64 KiB, each two 32 KiB blocks (a layer's state or 128 tokens of KV):
+#: 8 sequences of 300 tokens need a state block and 3 KV blocks each, 32 and the null
+#: block in all. Tighter (768 KiB, 3 preemptions) vLLM's own tokens change: its bf16
+#: recompute of a preempted sequence's state differs from the state it decoded, and
+#: vLLM alone with 768 KiB of KV (--kv-bytes) gives the very tokens kvcached gives
+GATED_DELTANET_LIMIT = "1MiB"
+NEWLY_SERVED = (
+    "sliding-window-hybrid",
+    "hybrid-linear-attention-moe",
+    "cross-layer-kv-sharing",
+    "heterogeneous-kv-groups",
+    "mla",
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +113,23 @@ def test_newly_served_row_equality_fails_when_kv_blocks_read_the_wrong_page(
     clean = fresh_table[name]["runs"]  # vLLM's own tokens for the same batch
     assert result["runs"][0] == clean[0]
     assert result["runs"][1] != clean[1]  # the second run read the swapped cached KV
+
+
+def test_gated_deltanet_states_stay_equal_without_prefix_caching_under_a_small_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without prefix caching vLLM keeps one state block per sequence ("none" mode, not
+    # the matrix run's "align"); the limit cannot hold every sequence's state and KV at
+    # once, so vLLM preempts, and a preempted sequence's state is computed again
+    name = "hybrid-linear-attention-moe"
+    model = make_arch_model(tmp_path / name, name)
+    batch = (
+        *("--prompts", "8", "--prompt-len", "100", "--max-tokens", "200"),
+        *("--no-prefix-caching", "--dtype", ARCHITECTURES[name].cpu_dtype),
+    )
+    alone = harness.run_engine(model, tmp_path / "alone", kvcached=False, batch=batch)
+    monkeypatch.setenv("KVCACHED_INSTANCE_LIMIT", GATED_DELTANET_LIMIT)
+    limited = harness.run_engine(model, tmp_path / "limited", kvcached=True, batch=batch)
+    assert alone["ok"] and limited["ok"], (alone.get("log_tail"), limited.get("log_tail"))
+    assert limited["preemptions"] > 0
+    assert limited["runs"] == alone["runs"]
