@@ -23,8 +23,10 @@ time for both modes side by side, and one JSON line per mode.
 Elastic wins when loads peak at different times; that is the whole case for kvcached.
 
 Stopping it. Ctrl-C reaches the whole terminal process group, so the workers ignore
-SIGINT (they are started with it ignored, and a spawned Python keeps it so) and the
-coordinator alone stops them; SIGTERM to the coordinator is turned into the same
+SIGINT and the coordinator alone stops them. They are started with SIGINT held back
+(blocked, which a spawned Python inherits) until `worker` ignores it; the coordinator
+holds it back only while it starts them, so a Ctrl-C pressed meanwhile reaches it
+right after, not lost; SIGTERM to the coordinator is turned into the same
 orderly exit (`stop_on_sigterm`). Either way the workers are terminated, the
 temporary ledger folder is removed and the multiprocessing semaphores are unlinked.
 """
@@ -372,15 +374,15 @@ def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
             )
             for i in range(config.instances)
         ]
-        with _sigint_ignored():  # inherited by the spawned workers from their start
-            for process in processes:
-                process.start()
         timeline: dict[int, list[tuple[float, int]]] = {i: [] for i in range(config.instances)}
         latest: dict[int, dict[str, Any]] = {}
         finals: dict[int, dict[str, Any]] = {}
         ready = 0
         stopped = True  # until the mode has run to its end
         try:
+            with _sigint_held():  # inherited by the spawned workers from their start
+                for process in processes:
+                    process.start()
             while ready < config.instances:
                 message = _next_report(reports, processes)
                 ready += bool(message.get("ready"))
@@ -400,6 +402,8 @@ def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
             stopped = False
         finally:
             for process in processes:
+                if process.pid is None:
+                    continue  # interrupted before it was started
                 if stopped and process.is_alive():
                     process.terminate()  # interrupted, or a worker failed: stop the rest
                 process.join(timeout=10 if stopped else 60)
@@ -416,12 +420,18 @@ def run_mode(config: DemoConfig, mode: str, live: bool) -> ModeResult:
 
 
 @contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _sigint_held() -> Iterator[None]:
+    """Block SIGINT while inside: a child started meanwhile inherits it blocked, and a
+    SIGINT that arrives is delivered on the way out. Ignoring it instead would lose a
+    Ctrl-C pressed while the workers start (a test that pressed it as soon as a worker
+    was forked saw the demo run on to its end). The mask is the calling thread's: a
+    thread that does not block SIGINT may still take it and interrupt at once, which
+    is why the workers are started inside `run_mode`'s clean-up."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @contextmanager
