@@ -73,6 +73,15 @@ _GPT_OSS_ROPE = {
     "truncate": False,
 }
 
+#: the Gated DeltaNet layers Qwen3-Next and Qwen3.5 publish alike
+_QWEN_GATED_DELTANET = {
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
@@ -170,11 +179,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "num_attention_heads": 16,
                 "num_key_value_heads": 4,
                 "head_dim": 256,
-                "linear_num_key_heads": 16,
-                "linear_num_value_heads": 32,
-                "linear_key_head_dim": 128,
-                "linear_value_head_dim": 128,
-                "linear_conv_kernel_dim": 4,
+                **_QWEN_GATED_DELTANET,
                 "layer_types": _alternating("linear_attention", "full_attention", 4, 32),
                 "vocab_size": 248320,
             },
@@ -218,11 +223,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "num_attention_heads": 16,
                 "num_key_value_heads": 2,
                 "head_dim": 256,
-                "linear_num_key_heads": 16,
-                "linear_num_value_heads": 32,
-                "linear_key_head_dim": 128,
-                "linear_value_head_dim": 128,
-                "linear_conv_kernel_dim": 4,
+                **_QWEN_GATED_DELTANET,
                 "num_experts": 512,
                 "num_experts_per_tok": 10,
                 "moe_intermediate_size": 512,
