@@ -2,8 +2,8 @@
 
 Each file in tests/matrix/results/ is one engine's column, written by
 tests/matrix/harness.py (CPU) or scripts/matrix-gpu.sh (H200); a row missing from a
-column is shown as not run, saying so. The page is generated: edit the JSON or this script, never
-the Markdown.
+column is shown as not run, saying so. The page is generated: edit the JSON or this
+script, never the Markdown.
 
     python scripts/render_compatibility.py [--results DIR] [--out docs/compatibility.md]
 """

