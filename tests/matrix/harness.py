@@ -224,6 +224,19 @@ def judge(baseline: dict[str, Any], with_kvcached: dict[str, Any]) -> dict[str, 
     return {"outcome": "equal", "detail": detail}
 
 
+def assert_corruption_changed_tokens(result: dict[str, Any], clean: list[list[int]]) -> None:
+    """What `generate.py --corrupt` printed shows the equality check can fail: it swapped
+    at least two held blocks midway through the first run, the tokens decoded before
+    then equal the engine's own (`clean`, the same batch without kvcached), and the
+    ones after do not."""
+    swapped, after = result["corrupted_blocks"], result["corrupted_after_tokens"]
+    assert swapped >= 2, f"the corruption swapped {swapped} held KV blocks: it proves nothing"
+    first = result["runs"][0]
+    assert [t[:after] for t in first] == [t[:after] for t in clean], "differed before corrupting"
+    assert first != clean, f"{swapped} KV blocks swapped at step {result['corrupted_at_step']} "
+    "changed no token"
+
+
 def engine_batch(engine: str, name: str, *, gpu: bool) -> tuple[str, ...]:
     """The generate script's arguments for row `name` on `engine`."""
     from kvcached.random_arch import ARCHITECTURES

@@ -8,10 +8,16 @@ VLLM_ENABLE_V1_MULTIPROCESSING come from the environment.
         [--no-prefix-caching] [--repeat R] [--corrupt] [--tp N] [--kv-bytes B]
         [--dtype D]
 
-`--repeat` runs the same prompts again in the same engine (prefix-cache hits);
-`--corrupt` overwrites, between the runs, every KV block that kvcached holds for the
-engine except the null block: with prefix caching the second run then reads corrupted
-cached KV, which must change its tokens (the equality check can fail).
+`--repeat` runs the same prompts again in the same engine (prefix-cache hits).
+
+`--corrupt` shows that an equality check can fail: midway through the first run's
+decode (once every prompt is running and has `corrupt_after` tokens), every KV block
+kvcached holds for the engine but the null block is made to read another held block's
+bytes, as a wrongly mapped page would; the tokens decoded after that must change. It
+corrupts at the scheduler's step, while the running requests hold those blocks, so no
+eviction, idle upkeep or release can have let them go first, however slow the machine
+(between two runs the held set depends on what the engine kept cached). It reports
+the blocks swapped and the step; a corruption that swapped fewer than two is no test.
 """
 
 from __future__ import annotations
@@ -46,13 +52,36 @@ def _corrupt_held_blocks() -> int:
     group, size = backing.group, backing.group.block_bytes
     held = [b for b in range(1, group.num_blocks) if allocator.is_allocated(b)]
     if len(held) < 2:
-        return 0
+        return len(held)  # nothing to swap with: reported, and the caller's test fails
     for segment in group.segments:
         starts = [segment.offset + b * size for b in held]
         saved = [raw[s : s + size].clone() for s in starts]
         for start, source in zip(starts, saved[1:] + saved[:1], strict=True):
             raw[start : start + size] = source
     return len(held)
+
+
+def _corrupt_while_decoding(prompts: int, after: int) -> dict[str, int]:
+    """Corrupt the held KV once, at the first scheduler step at which all `prompts`
+    requests run and each has decoded `after` tokens: the step is planned, its model
+    pass has not run yet, and every held block belongs to a running request."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.schedule
+    done = {"corrupted_blocks": 0, "corrupted_at_step": 0, "steps": 0}
+
+    def schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        planned = original(self, *args, **kwargs)
+        done["steps"] += 1
+        running = self.running
+        due = len(running) == prompts and all(r.num_output_tokens >= after for r in running)
+        if due and not done["corrupted_at_step"]:
+            done["corrupted_blocks"] = _corrupt_held_blocks()
+            done["corrupted_at_step"] = done["steps"]
+        return planned
+
+    Scheduler.schedule = schedule  # type: ignore[method-assign]
+    return done
 
 
 def main() -> None:
@@ -64,6 +93,7 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--corrupt-after", type=int, default=8, help="tokens decoded first")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--kv-bytes", type=int, default=64 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=8)
@@ -72,7 +102,12 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    if a.corrupt and not 0 < a.corrupt_after < a.max_tokens:
+        ap.error(f"--corrupt-after must be between 1 and --max-tokens - 1 ({a.max_tokens - 1})")
+    if a.corrupt and a.prompts > a.max_num_seqs:
+        ap.error("--corrupt needs every prompt running at once: --prompts <= --max-num-seqs")
     preemptions = [0]
+    corruption = _corrupt_while_decoding(a.prompts, a.corrupt_after) if a.corrupt else {}
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -103,10 +138,8 @@ def main() -> None:
     startup = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     prompts = _prompts(a.prompts, a.prompt_len, seed=0)
-    runs, corrupted, generating = [], 0, 0.0
-    for i in range(a.repeat):
-        if a.corrupt and i > 0:
-            corrupted = _corrupt_held_blocks()
+    runs, generating = [], 0.0
+    for _ in range(a.repeat):
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         generating += time.perf_counter() - t0
@@ -118,7 +151,9 @@ def main() -> None:
             {
                 "runs": runs,
                 "preemptions": preemptions[0],
-                "corrupted_blocks": corrupted,
+                "corrupted_blocks": corruption.get("corrupted_blocks", 0),
+                "corrupted_at_step": corruption.get("corrupted_at_step", 0),
+                "corrupted_after_tokens": a.corrupt_after if a.corrupt else 0,
                 "startup_s": round(startup, 2),
                 "tokens_per_s": round(generated / generating, 1),
             }
