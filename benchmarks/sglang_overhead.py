@@ -290,12 +290,23 @@ def main(argv: list[str] | None = None) -> int:
 
         def corrupt() -> None:
             batch("on", "before_corrupt")  # the radix cache holds these prompts now
+            done = Path(f"{trigger}.done")  # the hook writes the pages it changed here
+            done.unlink(missing_ok=True)
             trigger.touch()
-            time.sleep(3.0)  # the scheduler goes idle and the hook runs (at least 1/s)
+            deadline = time.monotonic() + 60.0  # the idle scheduler runs the hook >= 1/s
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            pages = int(done.read_text()) if done.exists() else 0
+            if pages < 2:
+                raise RuntimeError(
+                    f"the corruption hook changed {pages} KV pages (it needs at least 2 "
+                    "mapped pages of cached prefixes): the check would prove nothing"
+                )
             line = batch("on", "corrupt")
             report.emit(
                 {
                     "step": "corrupt_check",
+                    "corrupted_pages": pages,
                     "changed_tokens": line["checksum"] != reference,
                     "cached_prompt_tokens": line["cached_prompt_tokens"],
                 }

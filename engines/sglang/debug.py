@@ -6,8 +6,11 @@ cache), every mapped page of every layer is made to hold its neighbour's bytes, 
 wrongly mapped page would. A later `generate` of the same prompts then reads corrupted
 cached prefixes and must produce different tokens. The value says when: ``1`` at the
 first such idle moment, a file path as soon as that file exists (so a benchmark can
-compare first and corrupt afterwards, in the same engine). It is a test hook, read here
-only and never set by kvcached itself.
+compare first and corrupt afterwards, in the same engine). With a file path the hook
+writes how many pages it changed to that path plus ``.done``: the benchmark waits for
+that record instead of guessing how long the scheduler takes to go idle, and a
+corruption that touched nothing is a failed check, not a quiet pass. It is a test hook,
+read here only and never set by kvcached itself.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ def maybe_corrupt(allocator: Any) -> int:
     if found.allocator.used_blocks <= 1 + allocator.stock_pages():
         return 0  # nothing cached yet
     _done = True
-    return corrupt_mapped_pages(found)
+    touched = corrupt_mapped_pages(found)
+    if trigger != "1":
+        with open(trigger + ".part", "w") as record:
+            record.write(str(touched))
+        os.replace(trigger + ".part", trigger + ".done")  # never seen half written
+    return touched
 
 
 def corrupt_mapped_pages(found: Any) -> int:
