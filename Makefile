@@ -39,7 +39,7 @@ run: $(STAMP)
 
 ## Lint, type-check and every test that needs no GPU (CI runs exactly this).
 test: $(STAMP) lint typecheck
-	$(VENV)/bin/pytest -m "not gpu"
+	$(VENV)/bin/pytest -m "not gpu" --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
