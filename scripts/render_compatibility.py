@@ -60,12 +60,32 @@ def _cell(row: dict[str, Any] | None, notes: list[str]) -> str:
     ratio = row.get("throughput_ratio")
     if ratio is not None:
         text += f", {ratio:.2f}x throughput"
+    note = None
     if row["outcome"] != "equal" and row.get("detail"):
-        note = str(row["detail"]).replace("|", "\\|").replace("\n", " ")
+        note = str(row["detail"])
+    elif "corruption" in row:
+        verdict = row["corruption"]
+        if _corruption_caught(verdict):
+            text += ", corruption caught"
+        else:
+            note = f"the corruption run proved nothing: {json.dumps(verdict)}"
+    if note is not None:
+        note = note.replace("|", "\\|").replace("\n", " ")
         if note not in notes:  # one footnote per distinct reason
             notes.append(note)
         text += f" [{notes.index(note) + 1}]"
     return text
+
+
+def _corruption_caught(verdict: dict[str, Any]) -> bool:
+    """The harness's corruption run swapped held blocks and the tokens changed after it
+    (and not before): the cell's equality could have failed."""
+    return (
+        "error" not in verdict
+        and verdict.get("swapped_blocks", 0) >= 2
+        and bool(verdict.get("equal_before"))
+        and bool(verdict.get("changed_tokens"))
+    )
 
 
 def render(tables: dict[str, dict[str, Any]]) -> str:
@@ -90,7 +110,10 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         "over without, where measured: one run each, the engine alone first (kernels compiled",
         "on first use are then cached for the second run), so a rough figure, not an overhead",
         "measurement; `benchmarks/vllm_overhead.py` and `benchmarks/sglang_overhead.py`",
-        "measure that side by side.",
+        "measure that side by side. *Corruption caught*: a third run with kvcached swapped",
+        "the held KV blocks midway through the decode (as a wrongly mapped page would) and",
+        "the tokens changed, so that cell's comparison can fail; cells without it come",
+        "from runs made before that check existed.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

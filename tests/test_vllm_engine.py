@@ -28,7 +28,12 @@ pytestmark = pytest.mark.slow
 
 # the generate script and the every-block-its-own-extent settings the matrix uses too
 sys.path.insert(0, str(Path(__file__).parent / "matrix"))
-from harness import GENERATE, MANY_EXTENTS, assert_corruption_changed_tokens  # noqa: E402
+from harness import (  # noqa: E402
+    GENERATE,
+    MANY_EXTENTS,
+    assert_corruption_proves_failure,
+    corruption_verdict,
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +114,7 @@ def test_equality_check_fails_when_blocks_read_the_wrong_page(model: str, tmp_pa
     clean = baseline(model, tmp_path, *args)
     result = run(model, tmp_path, *args, "--corrupt")
     assert isinstance(result, dict)
-    assert_corruption_changed_tokens(result, clean[0])
+    assert_corruption_proves_failure(corruption_verdict(result, clean[0]))
     assert result["runs"][1] != clean[1]  # the cached prefixes hold the swapped KV too
 
 

@@ -141,6 +141,27 @@ def test_renderer_fills_every_row_and_footnotes_what_is_not_equal(tmp_path: Path
     assert "2. kvcached: MLA is refused" in page
 
 
+def test_renderer_says_which_equal_cells_caught_their_corruption(tmp_path: Path) -> None:
+    caught = {"swapped_blocks": 8, "at_step": 10, "equal_before": True, "changed_tokens": True}
+    missed = {**caught, "changed_tokens": False}
+    page = _render(
+        tmp_path,
+        [
+            {"architecture": "standard-gqa", "outcome": "equal", "corruption": caught},
+            {"architecture": "mla", "outcome": "equal", "corruption": missed},
+            {"architecture": "sliding-window-hybrid", "outcome": "equal"},  # an older run
+        ],
+    )
+    line = {
+        row: next(li for li in page.splitlines() if li.startswith(f"| `{row}`"))
+        for row in ("standard-gqa", "mla", "sliding-window-hybrid")
+    }
+    assert line["standard-gqa"].endswith("| ✅ equal, corruption caught |")
+    assert line["mla"].endswith("| ✅ equal [2] |")  # [1]: the rows not in this column
+    assert '2. the corruption run proved nothing: {"swapped_blocks": 8' in page
+    assert line["sliding-window-hybrid"].endswith("| ✅ equal |")
+
+
 def test_renderer_rejects_an_unknown_outcome_naming_the_accepted_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="outcome 'fine'; accepted: equal, different_tokens"):
         _render(tmp_path, [{"architecture": "mla", "outcome": "fine"}])

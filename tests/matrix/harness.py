@@ -18,6 +18,11 @@ and, at 300 prompt tokens, past the 128-token sliding windows of the scaled mode
     python tests/matrix/harness.py --out tests/matrix/results/vllm-cpu.json [ROW ...]
     python tests/matrix/harness.py --gpu --out $OUT/vllm-gpu.json   # scripts/matrix-gpu.sh
 
+Every equal vLLM row also runs a third time, with kvcached and ``--corrupt`` (held KV
+blocks swapped midway through the decode): its ``corruption`` field says how many
+blocks were swapped and whether the tokens then changed, so each ✅ shows that its
+comparison could fail.
+
 With ``--gpu`` (vLLM on the H200) the models keep their real KV shapes with fewer
 layers (`random_arch`'s ``gpu`` scale), the batch is larger and deterministic, and each
 equal row also gets its throughput ratio (tokens/s with kvcached over without, one run
@@ -224,17 +229,30 @@ def judge(baseline: dict[str, Any], with_kvcached: dict[str, Any]) -> dict[str, 
     return {"outcome": "equal", "detail": detail}
 
 
-def assert_corruption_changed_tokens(result: dict[str, Any], clean: list[list[int]]) -> None:
-    """What `generate.py --corrupt` printed shows the equality check can fail: it swapped
-    at least two held blocks midway through the first run, the tokens decoded before
-    then equal the engine's own (`clean`, the same batch without kvcached), and the
-    ones after do not."""
-    swapped, after = result["corrupted_blocks"], result["corrupted_after_tokens"]
+def corruption_verdict(result: dict[str, Any], clean: list[list[int]]) -> dict[str, Any]:
+    """What a `generate.py --corrupt` run shows against `clean` (the engine's own tokens
+    for the same batch, its first run): how many held blocks it swapped midway through
+    the decode and at which step, whether the tokens before then were equal and the
+    ones after changed (the equality check can fail)."""
+    after, first = result["corrupted_after_tokens"], result["runs"][0]
+    return {
+        "swapped_blocks": result["corrupted_blocks"],
+        "at_step": result["corrupted_at_step"],
+        "equal_before": [t[:after] for t in first] == [t[:after] for t in clean],
+        "changed_tokens": first != clean,
+    }
+
+
+def assert_corruption_proves_failure(verdict: dict[str, Any]) -> None:
+    """The corruption run (`corruption_verdict`) swapped at least two held blocks, the
+    tokens were equal before it and changed after it."""
+    assert "error" not in verdict, f"the corruption run failed: {verdict['error']}"
+    swapped = verdict["swapped_blocks"]
     assert swapped >= 2, f"the corruption swapped {swapped} held KV blocks: it proves nothing"
-    first = result["runs"][0]
-    assert [t[:after] for t in first] == [t[:after] for t in clean], "differed before corrupting"
-    assert first != clean, f"{swapped} KV blocks swapped at step {result['corrupted_at_step']} "
-    "changed no token"
+    assert verdict["equal_before"], "the tokens differed before the corruption"
+    assert verdict["changed_tokens"], (
+        f"{swapped} KV blocks swapped at step {verdict['at_step']} changed no token"
+    )
 
 
 def engine_batch(engine: str, name: str, *, gpu: bool) -> tuple[str, ...]:
@@ -255,12 +273,10 @@ def run_row(
     work: Path,
     *,
     gpu: bool = False,
-    keep_tokens: bool = False,
     engine: str = "vllm",
     timeout: float = 900,
 ) -> dict[str, Any]:
-    """One row's cell; `keep_tokens` adds the engine's own greedy tokens (``runs``);
-    `timeout` (seconds) bounds the row's two runs together."""
+    """One row's cell; `timeout` (seconds) bounds the row's runs together."""
     from kvcached.random_arch import ARCHITECTURES, make_arch_model
 
     arch = ARCHITECTURES[name]
@@ -303,11 +319,24 @@ def run_row(
         cell["throughput_ratio"] = round(
             with_kvcached["tokens_per_s"] / baseline["tokens_per_s"], 3
         )
+    if engine == "vllm" and cell["outcome"] == "equal":  # show that the equality can fail
+        corrupted = run_engine(
+            model,
+            work / f"{name}-ledger-corrupt",
+            kvcached=True,
+            many_extents=not gpu,
+            timeout=max(30.0, deadline - time.monotonic()),
+            **{**options, "batch": (*batch, "--corrupt")},
+        )
+        cell["corruption"] = (
+            corruption_verdict(corrupted, baseline["runs"][0])
+            if corrupted["ok"]
+            else {"error": corrupted["error"]}
+        )
     return {
         **row,
         **cell,
         "seconds": {"baseline": baseline["seconds"], "kvcached": with_kvcached["seconds"]},
-        **({"runs": baseline.get("runs")} if keep_tokens else {}),
     }
 
 
