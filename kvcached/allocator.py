@@ -45,7 +45,11 @@ in turns; extents that an `alloc` waiting in the slow path has just grown are ne
 given back under it. The thread sleeps on an event that the fast path sets only when a
 page changes state in a way that matters (a fresh page opened with the pool under the
 low watermark, or an extent became empty), and it polls the account every
-`poll_interval` so that a limit changed by another process (kvctl) is followed.
+`poll_interval` so that a limit changed by another process (kvctl) is followed. A
+refusal the account explains with an error of its own (a damaged ledger) is logged
+once, without a traceback, and retried like a refill that failed. The threads stop at
+interpreter exit before the accounts they charge are closed
+(`_stop_pool_threads_at_exit`).
 
 Fast path. Per page id: a list of its free block ids. Single-block allocs pop from a
 *current* page until it is full; the next current page is the partly used one with the
@@ -84,6 +88,7 @@ or the device cannot supply the blocks, so the engine can preempt and retry.
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import logging
 import operator
@@ -99,7 +104,7 @@ from typing import Any
 from kvcached.accounting import BudgetAccount
 from kvcached.backend import Page, Reservation
 from kvcached.config import check_extent_bytes, check_release_delay
-from kvcached.errors import InvalidArgument, OutOfMemory
+from kvcached.errors import InvalidArgument, KVCachedError, OutOfMemory
 from kvcached.layout import KVGroup
 from kvcached.lifetime import Closeable
 
@@ -162,6 +167,22 @@ def _disown_allocators_in_child() -> None:
 
 
 os.register_at_fork(before=_remember_pid, after_in_child=_disown_allocators_in_child)
+
+#: How long interpreter exit waits for a pool thread in the middle of a round.
+EXIT_JOIN_S = 5.0
+
+
+def _stop_pool_threads_at_exit() -> None:
+    """At interpreter exit: stop every pool thread before the accounts it charges go.
+
+    The ledger's own exit hook removes this process's rows, so that a cache never
+    closed leaves nothing behind; a pool thread still running then read a closed
+    account and printed a traceback. atexit runs the hook registered last first, and
+    each pool thread's start moves this one to the end of the list, so it runs before
+    every hook registered earlier: the ledger's among them, since an account exists
+    before the allocator that charges it."""
+    for allocator in list(_live_allocators):
+        allocator._stop_pool_thread(EXIT_JOIN_S)
 
 
 # --------------------------------------------------------------------------- accounts
@@ -402,8 +423,12 @@ class PageAllocator(Closeable):
         self._release_delay = float(release_delay)
         self._over_high_since: float | None = None  # when the pool went above pool_high
         self._thread: threading.Thread | None = None
+        self._thread_stopped = False  # set at interpreter exit: no upkeep from then on
+        self._upkeep_warned = ""  # the last refusal the pool thread logged
         _live_allocators.add(self)
         if background:
+            atexit.unregister(_stop_pool_threads_at_exit)
+            atexit.register(_stop_pool_threads_at_exit)
             self._thread = threading.Thread(
                 target=self._run, name=f"kvcached-pool-{group.name}", daemon=True
             )
@@ -1047,16 +1072,33 @@ class PageAllocator(Closeable):
             self.account.set_used(used)
 
     def _run(self) -> None:
-        while not self._closed:
+        while not self._closed and not self._thread_stopped:
             self._wake.wait(self._poll_interval)
             self._wake.clear()
-            if self._closed:
+            if self._closed or self._thread_stopped:
                 return
             try:
                 self.maintain()
             except Exception as exc:  # keep serving; the next round retries
                 self.last_error = exc
-                log.exception("kvcached pool upkeep failed")
+                if isinstance(exc, InvalidArgument) or not isinstance(exc, KVCachedError):
+                    log.exception("kvcached pool upkeep failed")  # a bug: show where
+                    continue
+                # refused, and the error says why (a damaged ledger): once, and later
+                self._refill_failed_at = time.monotonic()
+                if str(exc) != self._upkeep_warned:
+                    self._upkeep_warned = str(exc)
+                    log.warning("kvcached pool upkeep failed: %s", exc)
+
+    def _stop_pool_thread(self, timeout: float) -> None:
+        """Stop the pool thread (at interpreter exit); waits up to `timeout` seconds
+        for a round in progress. The allocator itself stays usable."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        self._thread_stopped = True
+        self._wake.set()
+        thread.join(timeout)
 
     # ================================================================ public knobs
     @property

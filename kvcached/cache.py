@@ -9,6 +9,8 @@ all charging the one ledger row. Adapters then only translate: block ids in and 
 
 Several groups share one ledger row, but each allocator reports the bytes its live
 blocks hold on its own, so the row's `used` is kept as their sum by `_GroupAccount`.
+Another process (kvctl) may change a row's limit between any two reads of it, so each
+decision reads it once.
 
 The ledger's budget is fixed by whoever creates it: `budget=` here, else
 KVCACHED_BUDGET (a size, or a percentage of the device's memory), else all of the
@@ -19,6 +21,9 @@ With KVCACHED_METRICS_PORT set, the first `KVCache` of a process starts the
 Prometheus endpoint (`kvcached.metrics.start_from_settings`); it serves every ledger
 of this user until the process exits, and a process that finds the port taken
 leaves it to whoever holds it.
+
+`check_ready` runs the constructor's checks of the device (its ledger file or folder,
+its granularity) without building anything; `kvcached info` reports with it.
 
 A constructor that fails part-way closes what it built (allocators and their pool
 threads, reservations, the ledger row), and a forked child cannot use the parent's
@@ -31,14 +36,15 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcached.allocator import PageAllocator
 from kvcached.backend import Backend
 from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
-from kvcached.layout import KVLayout, LayerSpec, Part
-from kvcached.ledger import Ledger, LedgerAccount, ledger_key
+from kvcached.layout import KVLayout, LayerSpec, Part, check_granularity
+from kvcached.ledger import Ledger, LedgerAccount, check_usable, ledger_key
 from kvcached.lifetime import Closeable
 
 
@@ -69,6 +75,15 @@ def open_device_ledger(
     )
 
 
+def check_ready(backend: Backend) -> Path:
+    """Run, changing nothing, the checks a `KVCache` on `backend` would fail in its
+    constructor: its layout's granularity check, and its device ledger's (the file's, or
+    those of the folder it would be created in). Returns the ledger's path; raises the
+    error the constructor would. `kvcached info` reports with this."""
+    check_granularity(backend)
+    return check_usable(ledger_key(backend.name, backend.device))
+
+
 class _GroupAccount:
     """One group's view of the instance's ledger rows: charges go straight through,
     `set_used` reports the sum over the groups.
@@ -92,13 +107,23 @@ class _GroupAccount:
 
     def try_charge(self, nbytes: int) -> bool:
         charged: list[tuple[LedgerAccount, int]] = []
-        for row, copies in self._rows:
-            if not row.try_charge(nbytes * copies):
-                for done, n in charged:
-                    done.refund(nbytes * n)
-                return False
-            charged.append((row, copies))
-        return True
+        try:
+            for row, copies in self._rows:
+                if not row.try_charge(nbytes * copies):
+                    break
+                charged.append((row, copies))
+            else:
+                return True
+        except BaseException:
+            self._undo(charged, nbytes)  # a damaged ledger raises: all rows or none
+            raise
+        self._undo(charged, nbytes)
+        return False
+
+    @staticmethod
+    def _undo(charged: list[tuple[LedgerAccount, int]], nbytes: int) -> None:
+        for done, copies in charged:
+            done.refund(nbytes * copies)
 
     def refund(self, nbytes: int) -> None:
         if self._before_refund is not None:
@@ -118,8 +143,14 @@ class _GroupAccount:
 
     @property
     def limit(self) -> int | None:
-        limits = [row.limit // copies for row, copies in self._rows if row.limit is not None]
-        return min(limits) if limits else None
+        # kvctl may change a row's limit between any two reads: read each one once
+        smallest: int | None = None
+        for row, copies in self._rows:
+            limit = row.limit
+            if limit is not None:
+                share = limit // copies
+                smallest = share if smallest is None else min(smallest, share)
+        return smallest
 
 
 class KVCache(Closeable):

@@ -66,6 +66,11 @@ def collect_info(requested: str | None) -> dict[str, Any]:
         return report
     try:
         report["device"] = backend.describe()
+        from kvcached.cache import check_ready
+
+        report["ledger"] = str(check_ready(backend))  # what KVCache() would refuse
+    except KVCachedError as exc:
+        report["error"] = str(exc)
     finally:
         backend.close()
     return report
@@ -107,6 +112,8 @@ def info(
             )
             for key, value in device.get("versions", {}).items():
                 facts.add_row(key, str(value))
+            if "ledger" in report:
+                facts.add_row("ledger", escape(report["ledger"]))
             console.print(facts)
         packages = ", ".join(f"{k} {v}" for k, v in report["packages"].items() if v)
         console.print(f"python {report['python']}; {packages}")
@@ -129,9 +136,7 @@ def conformance(
     try:
         import pytest
     except ImportError:
-        console.print(
-            "[red]the conformance suite needs pytest:[/] pip install 'kvcached\\[conformance]'"
-        )
+        console.print("[red]the conformance suite needs pytest:[/] pip install pytest")
         raise typer.Exit(code=2) from None
     try:
         name = registry.resolve_name(backend)

@@ -38,6 +38,9 @@ _HOSTNAME = re.compile(
     re.IGNORECASE,
 )
 
+# A Unix group name as shadow-utils accepts it (at most 32 bytes).
+_GROUP = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+
 #: Bounds of the settings that have no natural one (a value past them is a typo).
 MAX_DEVICE_INDEX = 1023
 MIN_EXTENT_BYTES = 4096
@@ -47,8 +50,13 @@ MAX_RELEASE_DELAY_S = 86400.0
 
 def parse_size(value: str | int, *, total: int | None = None, what: str = "size") -> int:
     """Bytes for "8GiB", "1.5GB", "4096" or, when `total` is given, "40%" of it."""
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be a size, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        accepted = "an int of bytes, or a string such as '16GiB', '512MiB' or '1.5GB'"
+        if total is not None:
+            accepted += ", or a percentage such as '40%'"
+        raise InvalidArgument(
+            f"{what} must be a size: {accepted}; got {value!r} ({type(value).__name__})"
+        )
     if isinstance(value, int):
         nbytes = value
     else:
@@ -111,6 +119,49 @@ def check_address(value: str, *, what: str) -> str:
         f"{what} {value!r} is not an address; accepted: an IP address such as 127.0.0.1, "
         "0.0.0.0 or ::1, or a host name such as localhost (no port, no scheme)"
     )
+
+
+def check_group(value: str, *, what: str) -> str:
+    """The name of a Unix group that exists on this machine; anything else is refused."""
+    name = value.strip()
+    if not name:
+        raise InvalidArgument(
+            f"{what} is blank; accepted: the name of an existing Unix group (unset the "
+            "variable for a ledger of your own)"
+        )
+    if not _GROUP.match(name):
+        raise InvalidArgument(
+            f"{what} {value!r} is not a group name; accepted: the name of an existing "
+            "Unix group (letters, digits, '_', '.', '-', not starting with a digit or "
+            "'-'; 'getent group' lists them), not a numeric gid"
+        )
+    import grp
+
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        raise InvalidArgument(
+            f"{what} {value!r}: no such group on this machine; accepted: the name of an "
+            "existing Unix group ('getent group' lists them)"
+        ) from None
+    return name
+
+
+def ledger_group() -> tuple[str, int] | None:
+    """The group KVCACHED_LEDGER_GROUP shares ledgers with, as (name, gid); None when
+    ledgers are per user (the default)."""
+    name = settings().ledger_group
+    if name is None:
+        return None
+    import grp
+
+    try:
+        return str(name), grp.getgrnam(name).gr_gid
+    except KeyError:  # removed since the settings were read
+        raise InvalidArgument(
+            f"KVCACHED_LEDGER_GROUP {name!r}: no such group on this machine any more; "
+            "accepted: the name of an existing Unix group ('getent group' lists them)"
+        ) from None
 
 
 def check_release_delay(value: object, *, what: str) -> float:
@@ -195,6 +246,12 @@ def _settings_class() -> type[BaseSettings]:
             description="Folder of the cross-process ledgers (absolute); default: your "
             "runtime directory when it is private, else /dev/shm.",
         )
+        ledger_group: str | None = Field(
+            default=None,
+            description="Share each device's ledger, and so its budget, with the members "
+            "of this Unix group (opt-in; needs KVCACHED_LEDGER_DIR, a folder of the group "
+            "with mode 2770). Default: every user has a ledger and a budget of their own.",
+        )
         metrics_port: int | None = Field(
             default=None,
             ge=1,
@@ -235,6 +292,13 @@ def _settings_class() -> type[BaseSettings]:
             if not value.startswith("/"):
                 raise ValueError(f"must be an absolute path, got {value!r}")
             return value
+
+        @field_validator("ledger_group")
+        @classmethod
+        def _existing_group(cls, value: str | None) -> str | None:
+            if value is None:
+                return None
+            return check_group(value, what="KVCACHED_LEDGER_GROUP")
 
         @field_validator("host_budget", "budget")
         @classmethod

@@ -5,7 +5,7 @@
     kvctl budget [SIZE]            show or set the device budget
     kvctl watch                    the list, refreshed
     kvctl forget NAME [--force]    remove a row the ledger cannot judge dead by itself
-    kvctl repair                   clear bytes a corrupted ledger charges to free rows
+    kvctl repair                   fix a damaged ledger file, clear bytes of free rows
     kvctl serve-metrics --port N   Prometheus metrics of every ledger
 
 Which ledger: `--key cuda-0`, or `--backend`/`--device`, else the one an instance started
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import re
 import socket
 import time
@@ -40,7 +41,16 @@ from kvcached.kvtop import (
     summary,
     unowned_note,
 )
-from kvcached.ledger import Ledger, Totals, default_key
+from kvcached.ledger import (
+    FileRepair,
+    InstanceRow,
+    Ledger,
+    Totals,
+    default_key,
+    repair_file,
+    separate_ledgers,
+    user_name,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -75,9 +85,23 @@ _LIMITS_ACCEPTED = (
 )
 
 
-def refuse_negative_limit(text: str) -> None:
+_BUDGETS_ACCEPTED = "a size such as '20GiB', '512MiB' or '1.5GB', or a byte count"
+_NEGATIVE = re.compile(r"^\s*-\s*[\d.]")
+
+
+def refuse_negative(text: str, what: str, accepted: str) -> None:
+    """A value that click would take for an unknown option ('-5'), named for what it is.
+    The commands that take one accept unknown options as their argument."""
+    if _NEGATIVE.match(text):
+        raise InvalidArgument(f"{what} {text!r} is negative; accepted: {accepted}")
     if text.strip().startswith("-"):
-        raise InvalidArgument(f"limit {text!r} is negative; accepted: {_LIMITS_ACCEPTED}")
+        raise InvalidArgument(
+            f"no such option: {text.strip()} (see --help); a {what} is {accepted}"
+        )
+
+
+def refuse_negative_limit(text: str) -> None:
+    refuse_negative(text, "limit", _LIMITS_ACCEPTED)
 
 
 def parse_limit(text: str, budget: int) -> int | None:
@@ -154,6 +178,47 @@ def list_(
             if any(row.over_limit for row in rows):
                 _out.print(over_limit_notes(rows))
         _warn_unowned(ledger, totals)
+        _note_other_users(ledger, rows, ledger_dir)
+
+
+def _note_other_users(ledger: Ledger, rows: list[InstanceRow], ledger_dir: Path | None) -> None:
+    """Lines under the table on whose instances share this budget (a shared ledger) and
+    which other ledgers of the device keep budgets of their own (per-user ledgers of
+    other users, or yours beside a shared one): see Note [Shared ledgers] in ledger.py."""
+    me = os.geteuid()
+    notes = []
+    if ledger.group is not None:
+        others = [row for row in rows if row.uid != me]
+        where = f"shared with group {ledger.group} ({ledger.path})"
+        if others:
+            users = ", ".join(sorted({user_name(row.uid) for row in others}))
+            held = format_bytes(sum(row.reserved for row in others))
+            notes.append(
+                f"{len(others)} instance(s) of other users ({users}) hold {held} of this "
+                f"budget, {where}"
+            )
+        else:
+            notes.append(f"this budget is {where}; no other user's instance holds any now")
+    separate = separate_ledgers(ledger.key, ledger_dir)
+    for other in separate:
+        whose = "of yours" if other.uid == me else f"of {user_name(other.uid)}"
+        if other.instances is None:
+            notes.append(
+                f"a kvcached ledger {whose} for this device, {other.path}, keeps a budget "
+                "separate from this one"
+            )
+        else:
+            notes.append(
+                f"{other.instances} instance(s) {whose} hold {format_bytes(other.reserved)} "
+                f"on this device in a budget separate from this one (ledger: {other.path})"
+            )
+    if separate:
+        notes.append(
+            "separate budgets together can overcommit the device: see 'Sharing a device "
+            "between users' in the README (KVCACHED_LEDGER_GROUP)"
+        )
+    for note in notes:
+        _out.print(escape(note), highlight=False)
 
 
 def _warn_unowned(ledger: Ledger, totals: Totals) -> None:
@@ -188,14 +253,15 @@ def limit(
 
 def _set_limit(ledger: Ledger, name: str, size: str) -> None:
     """Apply `kvctl limit` and say what it changed."""
-    change = ledger.set_limit(name, parse_limit(size, ledger.budget))
+    budget = ledger.budget  # read once: `kvctl budget` may change it meanwhile
+    change = ledger.set_limit(name, parse_limit(size, budget))
     shown = escape(name)
     if change.limit is None:
         _out.print(f"{shown}: limit removed (bounded by the device budget only)")
     else:
         _out.print(
             f"{shown}: limit {format_bytes(change.limit)} "
-            f"({percent(change.limit, ledger.budget)} of the budget), "
+            f"({percent(change.limit, budget)} of the budget), "
             f"was {format_bytes(change.previous)}"
         )
     if change.limit == 0:
@@ -213,7 +279,7 @@ def _set_limit(ledger: Ledger, name: str, size: str) -> None:
         )
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # 'budget -5'
 def budget(
     size: Annotated[
         str | None, typer.Argument(help="New budget ('20GiB'); omit to show the budget.")
@@ -231,6 +297,7 @@ def budget(
                 _out.print(summary(ledger.key, totals))
                 _warn_unowned(ledger, totals)
             return
+        refuse_negative(size, "budget", _BUDGETS_ACCEPTED)
         nbytes = parse_size(size, what="budget")
         with open_ledger(key, backend, device, ledger_dir, create_with=nbytes) as ledger:
             change = ledger.set_budget(nbytes)
@@ -328,20 +395,57 @@ def repair(
     device: DeviceOption = None,
     ledger_dir: DirOption = None,
 ) -> None:
-    """Clear bytes that a corrupted ledger charges to free rows.
+    """Repair a damaged ledger file; clear bytes that a corrupted ledger charges to free rows.
 
-    Such bytes count against the budget though no instance holds them (kvctl list warns
-    about them); live instances' rows are left as they are."""
-    with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
-        done = ledger.repair()
+    A file cut short, zeroed or with a corrupted header gets its full size and a fresh
+    header back, keeping its budget and the rows that survived; when its header lost the
+    budget too, it is removed, and the next instance (or 'kvctl budget SIZE') creates a
+    new one. Bytes in free rows count against the budget though no instance holds them
+    (kvctl list warns about them); live instances' rows are left as they are."""
+    with fail():
+        chosen = resolve_key(key, backend, device)
+        fixed = repair_file(chosen, ledger_dir)
+        if fixed is not None:
+            _report_file_repair(chosen, fixed)
+            if fixed.budget is None:
+                return
+        with Ledger.open(chosen, create=False, directory=ledger_dir) as ledger:
+            done = ledger.repair()
         if not done.rows:
-            _out.print(f"{ledger.key}: nothing to repair")
+            if fixed is None:
+                _out.print(f"{chosen}: nothing to repair")
             return
         rows = ", ".join(str(index) for index in done.rows)
         _out.print(
-            f"{ledger.key}: cleared free row(s) {rows}; {format_bytes(done.unowned)} that "
+            f"{chosen}: cleared free row(s) {rows}; {format_bytes(done.unowned)} that "
             "no instance held can be charged again"
         )
+
+
+def _report_file_repair(key: str, fixed: FileRepair) -> None:
+    """Say what `repair_file` did to a damaged file, and what is left to do."""
+    damaged = escape(f"{fixed.path} {fixed.problem}")
+    if fixed.budget is None:
+        _out.print(
+            f"{key}: {damaged}; its header no longer names a budget, so it was removed. "
+            "The next instance creates a new ledger with its own budget (KVCACHED_BUDGET, "
+            f"else the device's memory); 'kvctl budget SIZE --key {key}' creates it now",
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        _out.print(
+            f"{key}: {damaged}; it has its full size and a fresh header again, with its "
+            f"budget of {format_bytes(fixed.budget)} and {fixed.rows} instance row(s) kept",
+            highlight=False,
+            soft_wrap=True,
+        )
+    _err.print(
+        "[yellow]note:[/] instances that found the ledger damaged (they logged that it "
+        "shrank) keep serving the memory they hold, which the repaired ledger does not "
+        "count, and take no more: restart them",
+        highlight=False,
+    )
 
 
 @app.command("serve-metrics")

@@ -67,6 +67,21 @@ KINDS: tuple[str, ...] = ("kv", "mla", "packed")
 MAX_PAGE_BYTES = 512 << 20
 
 
+def check_granularity(backend: Backend) -> int:
+    """`backend`'s granularity, if a KV layout can be built on it: every page id holds at
+    least one granule per segment, and at most MAX_PAGE_BYTES. InvalidArgument naming
+    the backend otherwise. `KVLayout` and `kvcached info` both run this."""
+    g = backend.granularity
+    if isinstance(g, bool) or not isinstance(g, int) or not 0 < g <= MAX_PAGE_BYTES:
+        raise InvalidArgument(
+            f"backend {backend.name!r} has a granularity of {g!r} bytes, and a page id is "
+            f"at most {MAX_PAGE_BYTES >> 20} MiB, so no KV layout fits on it; check the "
+            "setting that chose it (for the host backend, KVCACHED_HOST_GRANULARITY, "
+            "2MiB by default)"
+        )
+    return g
+
+
 def _positive_int(what: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidArgument(f"{what} must be a positive int, got {value!r}")
@@ -215,6 +230,7 @@ class KVLayout(Closeable):
     ) -> None:
         if not isinstance(backend, Backend):
             raise InvalidArgument(f"expected a kvcached Backend, got {type(backend).__name__}")
+        check_granularity(backend)
         self.backend = backend
         self.block_size = _positive_int("block_size", block_size)
         if max_tokens is not None:

@@ -399,3 +399,119 @@ def test_an_engine_cache_without_room_for_its_first_block_is_refused_and_closed(
     with pytest.raises(InvalidArgument, match=r"could not map the padding block .* no room"):
         start_engine_cache(cache, "the padding block")
     assert _ledger(backend).rows() == []  # closed: no row left behind
+
+
+# ------------------------------------ a limit changed while the instance grows (issue 18.1)
+class _FlippingRow:
+    """A ledger row whose limit another process changes between any two reads."""
+
+    def __init__(self) -> None:
+        self._values = [16 * MiB, None]
+        self.reads = 0
+
+    @property
+    def limit(self) -> int | None:
+        value = self._values[self.reads % 2]
+        self.reads += 1
+        return value
+
+
+def test_group_limit_reads_a_row_limit_that_changes_between_reads_once() -> None:
+    """`_GroupAccount.limit` read `row.limit` twice: toggled between 16 MiB and none in
+    between, it computed `None // copies` and raised TypeError out of alloc()."""
+    row = _FlippingRow()
+    account = cache_module._GroupAccount([(row, 2)], [0], 0, threading.Lock())  # type: ignore[list-item]
+    for _ in range(4):
+        limit = account.limit
+        assert limit in (8 * MiB, None)
+    assert row.reads == 4  # one read per decision
+
+
+def _toggle_limit(folder: str, name: str, stop_after: float) -> None:
+    """What `kvctl limit NAME none` / `kvctl limit NAME 16MiB` do, as fast as possible."""
+    import time
+
+    from kvcached.ledger import Ledger as OtherSide
+
+    with OtherSide.open("host-cpu", create=False, directory=folder) as side:
+        deadline = time.monotonic() + stop_after
+        flip = False
+        while time.monotonic() < deadline:
+            side.set_limit(name, 16 * MiB if flip else None)
+            flip = not flip
+
+
+def test_limit_toggled_by_another_process_while_growing_never_breaks_alloc(
+    backend: HostBackend, tmp_path: Path
+) -> None:
+    """kvctl toggling an instance's limit between none and 16MiB while it allocated
+    raised TypeError from alloc() and stopped the pool thread."""
+    import multiprocessing
+
+    options = {"pool_low": 2 * MiB, "pool_high": 4 * MiB, "release_delay": 0.0}
+    with KVCache(
+        LAYERS, block_size=16, name="toggled", backend=backend, extent_bytes=2 * MiB,
+        poll_interval=0.001, **options,
+    ) as cache:  # fmt: skip
+        allocator = cache.allocators[0]
+        toggler = multiprocessing.get_context("spawn").Process(
+            target=_toggle_limit, args=(str(tmp_path), "toggled", 3.0)
+        )
+        toggler.start()
+        try:
+            while toggler.is_alive():
+                blocks = cache.alloc(600)  # more than a page id: grows when it can
+                allocator.effective_limit  # noqa: B018 (what an engine's free count reads)
+                allocator.obtainable_blocks()
+                if blocks is not None:
+                    cache.free(blocks)
+                allocator.trim(0)
+        finally:
+            toggler.join(30)
+        assert toggler.exitcode == 0
+        assert allocator.last_error is None
+        assert allocator._thread is not None and allocator._thread.is_alive()
+
+
+# --------------------------------------------- a KVCache never closed (issue 18.3)
+_EXIT_WITHOUT_CLOSE = """
+import atexit, time
+# Other exit hooks (torch's, an engine's) run after kvcached's ledger has closed its
+# rows; this one stands for them, long enough for the pool thread to wake meanwhile.
+atexit.register(time.sleep, 0.3)
+from kvcached.cache import KVCache
+from kvcached.layout import LayerSpec
+cache = KVCache([LayerSpec(num_kv_heads=2, head_dim=64)] * 4, block_size=16, name="unclosed",
+                backend="host", budget="256MiB", pool_low=2 << 20, pool_high=4 << 20,
+                poll_interval=0.01)
+assert cache.alloc(10) is not None
+print("exiting", flush=True)
+"""
+
+
+def test_a_cache_never_closed_exits_quietly_and_leaves_no_row(tmp_path: Path) -> None:
+    """A KVCache never closed printed a 'pool upkeep failed' traceback at interpreter
+    exit: the ledger's exit hook closed its row while the pool thread still ran."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVCACHED_LEDGER_DIR": str(tmp_path)}
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", _EXIT_WITHOUT_CLOSE], env=env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "exiting"
+        assert "Traceback" not in done.stderr and "upkeep failed" not in done.stderr, done.stderr
+        with Ledger.open("host-cpu", create=False, directory=tmp_path) as ledger:
+            assert ledger.rows() == []  # the row was removed at exit
+
+
+@pytest.mark.parametrize("budget", [1.5, float("nan"), float("inf")])
+def test_a_budget_that_is_a_float_is_a_clear_error(backend: HostBackend, budget: float) -> None:
+    """`KVCache(budget=1.5)` (or nan, inf) raised a bare TypeError from a regex."""
+    with pytest.raises(InvalidArgument, match=r"budget must be a size: an int of bytes.*'16GiB'"):
+        KVCache(LAYERS, block_size=16, name="f", backend=backend, budget=budget, **QUIET)
+    with pytest.raises(LedgerError):  # refused before any ledger was made
+        _ledger(backend)

@@ -620,3 +620,31 @@ def test_format_bytes_short_fits_five_characters() -> None:
     assert format_bytes_short(int(12.5 * GiB)) == "12.5G"
     assert format_bytes_short(1023 * MiB) == "1023M"
     assert format_bytes_short(None) == "-"
+
+
+# ------------------------------------------------------ raw errors at the edges (issue 18.3)
+@pytest.mark.parametrize("size", ["-5", "-1GiB", " -0.5GB"])
+def test_budget_minus_five_is_refused_as_negative_not_as_an_unknown_option(
+    ledger: Ledger, size: str
+) -> None:
+    """`kvctl budget -5` said "No such option: -5"."""
+    result = runner.invoke(kvctl, ["budget", size])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.stderr.split())
+    assert f"budget {size!r} is negative" in message and "'20GiB'" in message
+    assert "No such option" not in result.output
+    assert ledger.budget == 8 * GiB
+
+
+def test_budget_with_an_unknown_option_says_so(ledger: Ledger) -> None:
+    result = runner.invoke(kvctl, ["budget", "--bogus"])
+    assert result.exit_code == 1
+    assert "no such option: --bogus" in " ".join(result.stderr.split())
+
+
+def test_forget_names_the_force_flag_as_the_cli_spells_it(instances: object) -> None:
+    """`kvctl forget` said "pass force" where the flag is --force."""
+    result = runner.invoke(kvctl, ["forget", "vllm-a"])
+    assert result.exit_code == 1
+    message = " ".join(result.stderr.split())
+    assert "'kvctl forget vllm-a --force'" in message and "pass force" not in message
