@@ -463,22 +463,22 @@ def _next_report(reports: Any, processes: list[Any]) -> dict[str, Any]:
 
 
 def _table(config: DemoConfig, mode: str, latest: dict[int, dict[str, Any]]) -> Any:
-    from rich.table import Table
+    """The live table of one mode (it fits any terminal without cutting a figure)."""
+    from kvcached.tables import Cell, Column, FittedTable
 
-    table = Table(title=f"kvcached demo: {mode} ({_gib(config.budget)} budget)")
-    for column in ("inst", "t (s)", "KV held", "KV used", "running", "queued", "served",
-                   "waited"):  # fmt: skip
-        table.add_column(column, justify="right", no_wrap=True)
+    columns = [Column(title) for title in ("inst", "t (s)", "KV held", "KV used", "running",
+                                           "queued", "served", "waited")]  # fmt: skip
+    rows: list[list[Cell]] = []
     for i in range(config.instances):
         row = latest.get(i)
         if row is None:
-            table.add_row(str(i), *["-"] * 7)
+            rows.append([str(i), *["-"] * 7])
             continue
-        table.add_row(
+        rows.append([
             str(i), f"{row['t']:.1f}", _gib(row["reserved"]), _gib(row["used"]),
             str(row["running"]), str(row["waiting"]), str(row["served"]), str(row["waited"]),
-        )  # fmt: skip
-    return table
+        ])  # fmt: skip
+    return FittedTable(columns, rows, title=f"kvcached demo: {mode} ({_gib(config.budget)} budget)")
 
 
 def _gib(nbytes: int) -> str:
@@ -570,10 +570,26 @@ def plot(config: DemoConfig, results: list[ModeResult], path: Path) -> None:
     )
 
 
+def comparison_table(summaries: list[dict[str, Any]]) -> Any:
+    """Both modes side by side, from their JSON summaries (whole at any width)."""
+    from kvcached.tables import Cell, Column, FittedTable
+
+    # queued: still waiting when the run ended; corrupt: blocks that read back wrong
+    columns = [Column(title) for title in ("mode", "arrived", "served", "waited", "queued",
+                                           "wait avg", "wait p95", "corrupt")]  # fmt: skip
+    rows: list[list[Cell]] = []
+    for s in summaries:
+        rows.append([
+            s["mode"], str(s["arrived"]), str(s["served"]), str(s["waited"]),
+            str(s["still_waiting"]), f"{s['mean_wait_s']:.2f}s", f"{s['p95_wait_s']:.2f}s",
+            str(s["corrupted"]),
+        ])  # fmt: skip
+    return FittedTable(columns, rows, title="elastic vs. static split of the same budget and load")
+
+
 def run_demo(config: DemoConfig, *, out: Path, live: bool = True) -> list[dict[str, Any]]:
     """Both modes, the comparison table, the plot; returns the JSON summaries."""
     from rich.console import Console
-    from rich.table import Table
 
     if config.model not in MODEL_SHAPES:
         from kvcached.errors import InvalidArgument
@@ -587,18 +603,7 @@ def run_demo(config: DemoConfig, *, out: Path, live: bool = True) -> list[dict[s
         results.append(run_mode(config, mode, live))
         console.print()  # the live table's last frame stays; start below it
     summaries = [result.summary(config) for result in results]
-    table = Table(title="elastic vs. static split of the same budget and load")
-    # queued: still waiting when the run ended; corrupt: blocks that read back wrong
-    for column in ("mode", "arrived", "served", "waited", "queued", "wait avg", "wait p95",
-                   "corrupt"):  # fmt: skip
-        table.add_column(column, justify="right", no_wrap=True)
-    for s in summaries:
-        table.add_row(
-            s["mode"], str(s["arrived"]), str(s["served"]), str(s["waited"]),
-            str(s["still_waiting"]), f"{s['mean_wait_s']:.2f}s", f"{s['p95_wait_s']:.2f}s",
-            str(s["corrupted"]),
-        )  # fmt: skip
-    console.print(table)
+    console.print(comparison_table(summaries))
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(config, results, out)
     console.print(f"plot written to {out}")

@@ -15,7 +15,9 @@ shown as plain text (never as rich markup) and the ledger replaces control chara
 in them with escapes before they get here.
 
 The rendering helpers here (`format_bytes`, `instances_table`, `frame`) are shared with
-kvctl.
+kvctl. `kvctl list` draws its table through `kvcached.tables.FittedTable`, which takes
+the same approach as `top_table` for any table: figures are never cut, sizes get short
+and names fold where the terminal is narrow.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcached.ledger import InstanceRow, Ledger, Totals
+from kvcached.tables import Cell, Column, FittedTable, Short
 
 MIN_BAR_WIDTH = 10
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -102,29 +105,41 @@ def usage_bar(used: int, reserved: int, limit: int | None, scale: int, width: in
     return bar
 
 
-def instances_table(rows: list[InstanceRow], totals: Totals) -> Table:
-    """The table kvctl list / watch print (kvtop draws `top_table`)."""
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("NAME", no_wrap=True)
-    table.add_column("ENGINE", no_wrap=True)
-    table.add_column("PID", justify="right", no_wrap=True)
-    for title in ("USED", "RESERVED", "LIMIT", "PEAK", "REFUSED"):
-        table.add_column(title, justify="right", no_wrap=True)
+def instances_table(rows: list[InstanceRow], totals: Totals) -> FittedTable:
+    """The table kvctl list / watch print (kvtop draws `top_table`): every figure whole at
+    any width, in short sizes and with names folded where 80 columns need it."""
+    columns = [
+        Column("NAME", justify="left"),
+        Column("ENGINE", justify="left"),
+        Column("PID"),
+        Column("USED"),
+        Column("RESERVED", short="RES"),
+        Column("LIMIT"),
+        Column("PEAK"),
+        Column("REFUSED"),
+    ]
+
+    def size(nbytes: int | None) -> Short:
+        return Short(format_bytes(nbytes), format_bytes_short(nbytes))
+
+    cells: list[list[Cell]] = []
     for row in rows:
-        limit = Text(format_bytes(row.limit))
+        limit = size(row.limit)
         if row.over_limit:
-            limit = Text(f"{limit.plain}!", style="bold red")
-        table.add_row(
-            Text(row.name),  # plain text: a name is never read as markup
-            Text(row.engine),
-            str(row.pid),
-            format_bytes(row.used),
-            format_bytes(row.reserved),
-            limit,
-            format_bytes(row.peak),
-            str(row.denied),
+            limit = Short(*(Text(f"{form}!", style="bold red") for form in limit))
+        cells.append(
+            [
+                Text(row.name),  # plain text: a name is never read as markup
+                Text(row.engine),
+                str(row.pid),
+                size(row.used),
+                size(row.reserved),
+                limit,
+                size(row.peak),
+                str(row.denied),
+            ]
         )
-    return table
+    return FittedTable(columns, cells, box=None)
 
 
 def summary(key: str, totals: Totals) -> Text:

@@ -427,10 +427,39 @@ def summarize(config: VllmDemoConfig, result: VllmModeResult) -> dict[str, Any]:
     }
 
 
+def comparison_table(config: VllmDemoConfig, summaries: list[dict[str, Any]]) -> Any:
+    """Both modes side by side, from their JSON summaries (whole at any width)."""
+    from kvcached.tables import Column, FittedTable
+
+    titles = ("mode", "sent", "served", "TTFT p50", "TTFT p99", "waited", "preempted",
+              "tok/s", "peak KV")  # fmt: skip
+    rows = []
+    for s in summaries:
+        peak = max(s["peak_reserved_bytes"].values(), default=0)
+        rows.append(
+            [
+                s["mode"],
+                str(s["sent"]),
+                str(s["served"]),
+                f"{s['ttft_p50_s']:.2f}s",
+                f"{s['ttft_p99_s']:.2f}s",
+                str(s["waited"]),
+                str(s["preempted"]),
+                f"{s['output_tokens_per_s']:.0f}",
+                f"{peak / MiB:.1f} MiB",
+            ]
+        )
+    return FittedTable(
+        [Column(title) for title in titles],
+        rows,
+        title=f"{config.instances} vLLM servers, {config.budget / MiB:.0f} MiB KV "
+        "budget: elastic vs. static split",
+    )
+
+
 def run_vllm_demo(config: VllmDemoConfig, *, out: Path) -> list[dict[str, Any]]:
     """Both modes, the comparison table, the plot; returns the JSON summaries."""
     from rich.console import Console
-    from rich.table import Table
 
     from kvcached.random_model import make_random_model
 
@@ -442,36 +471,7 @@ def run_vllm_demo(config: VllmDemoConfig, *, out: Path) -> list[dict[str, Any]]:
     for mode in ("elastic", "static"):
         results.append(run_mode(config, mode, model, console.print))
     summaries = [summarize(config, r) for r in results]
-    table = Table(
-        title=f"{config.instances} vLLM servers, {config.budget / MiB:.0f} MiB KV "
-        "budget: elastic vs. static split"
-    )
-    for column in (
-        "mode",
-        "sent",
-        "served",
-        "TTFT p50",
-        "TTFT p99",
-        "waited",
-        "preempted",
-        "tok/s",
-        "peak KV",
-    ):
-        table.add_column(column, justify="right", no_wrap=True)
-    for s in summaries:
-        peak = max(s["peak_reserved_bytes"].values(), default=0)
-        table.add_row(
-            s["mode"],
-            str(s["sent"]),
-            str(s["served"]),
-            f"{s['ttft_p50_s']:.2f}s",
-            f"{s['ttft_p99_s']:.2f}s",
-            str(s["waited"]),
-            str(s["preempted"]),
-            f"{s['output_tokens_per_s']:.0f}",
-            f"{peak / MiB:.1f} MiB",
-        )
-    console.print(table)
+    console.print(comparison_table(config, summaries))
     console.print(
         f"waited: more than {WAIT_THRESHOLD_S} s in vLLM's queue; peak KV: the "
         "largest instance's reserved bytes"
