@@ -37,6 +37,10 @@ class KVPool(Closeable):
         name: the instance's ledger row (unique among live instances on the device).
         limit: the row's cap in bytes (None: only the device budget bounds it).
         budget: the device budget, if this call creates the ledger.
+        budget_source: where `budget` came from, in the user's words ("--budget 8GiB"):
+            when given and the ledger exists with another budget, a warning says it is
+            ignored and how to change it (None: no warning; a server of several rows
+            warns once).
         backend: an `MlxBackend` (default: a new one).
         step: tokens a run grows by once past the capacity it was made with.
         engine: shown by kvctl/kvtop.
@@ -48,6 +52,7 @@ class KVPool(Closeable):
         *,
         limit: int | None = None,
         budget: int | str | None = None,
+        budget_source: str | None = None,
         backend: MlxBackend | None = None,
         step: int = DEFAULT_STEP,
         engine: str = "mlx-lm",
@@ -67,7 +72,9 @@ class KVPool(Closeable):
         )
         # MLX drives one device per machine: ordinal 0, the key kvctl/kvtop compute for
         # `--backend mlx` (KVCACHED_DEVICE defaults to 0), on Metal and on the CPU alike.
-        self.ledger = Ledger.open(ledger_key(self.backend.name, 0), budget=device_budget)
+        self.ledger = Ledger.open(
+            ledger_key(self.backend.name, 0), budget=device_budget, budget_source=budget_source
+        )
         self._closed = False
         try:
             self.account = self.ledger.register(name, engine, limit)

@@ -32,6 +32,7 @@ def model_config(
     heads: int = 4,
     kv_heads: int = 2,
     vocab: int = 256,
+    context: int = 32768,
 ) -> dict[str, Any]:
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r}; accepted: {', '.join(ARCHITECTURES)}")
@@ -44,7 +45,7 @@ def model_config(
         "num_key_value_heads": kv_heads,
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": context,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "head_dim": hidden // heads,
