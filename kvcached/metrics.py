@@ -1,4 +1,4 @@
-"""Prometheus metrics of the ledger (optional: ``pip install 'kvcached[metrics]'``).
+"""Prometheus metrics of the ledger (optional: ``pip install prometheus_client``).
 
 The collector reads the ledger at scrape time, so the numbers are never older than the
 scrape and nothing runs between scrapes. It exports every instance of every device
@@ -49,7 +49,7 @@ def _prometheus() -> Any:
         import prometheus_client
     except ImportError:
         raise KVCachedError(
-            "metrics need prometheus_client: pip install 'kvcached[metrics]'"
+            "metrics need prometheus_client: pip install prometheus_client"
         ) from None
     return prometheus_client
 

@@ -94,7 +94,7 @@ def test_detection_without_hip_python(monkeypatch: pytest.MonkeyPatch) -> None:
         reason = RocmBackend.unavailable_reason()
     finally:
         detect.clear_cache()
-    assert reason == "hip-python is not installed (pip install 'kvcached[rocm]')"
+    assert reason == "hip-python is not installed (pip install hip-python)"
 
 
 def test_kvcached_info_explains_why_rocm_is_unavailable(standin_root: Path, tmp_path: Path) -> None:

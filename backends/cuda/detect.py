@@ -20,7 +20,7 @@ def cuda_unavailable_reason() -> str | None:
         importlib.util.find_spec("cuda") is None
         or importlib.util.find_spec("cuda.bindings") is None
     ):
-        return "cuda-bindings is not installed (pip install 'kvcached[cuda]')"
+        return "cuda-bindings is not installed (pip install cuda-bindings)"
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -188,13 +188,13 @@ class MlxBackend(Backend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if importlib.util.find_spec("mlx") is None:
-            return "mlx is not installed (pip install 'kvcached[mlx]')"
+            return "mlx is not installed (pip install mlx; on Linux 'mlx[cpu]')"
         try:
             _mx()
         except Exception as exc:  # plain `mlx` on Linux installs but cannot be imported
             return (
                 f"mlx.core cannot be imported ({type(exc).__name__}: {exc}); on Linux "
-                "install mlx[cpu] (pip install 'kvcached[mlx]')"
+                "install mlx[cpu] (pip install 'mlx[cpu]')"
             )
         return None
 

@@ -49,7 +49,7 @@ def clear_cache() -> None:
 def _cached_reason(ordinal: int, environment: frozenset[tuple[str, str]]) -> str | None:
     del environment  # only part of the cache key
     if not bindings.bindings_installed():
-        return "hip-python is not installed (pip install 'kvcached[rocm]')"
+        return "hip-python is not installed (pip install hip-python)"
     path = bindings.library_path()
     try:
         ctypes.CDLL(path)
