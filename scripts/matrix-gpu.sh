@@ -7,8 +7,10 @@
 # without and one with kvcached (up to 12 starts; models with real KV shapes, fewer layers),
 # Model Runner V1. Writes $OUT/vllm-gpu.json (copy it to tests/matrix/results/ and run
 # scripts/render_compatibility.py) and $OUT/matrix-gpu.log.
-#   bash scripts/matrix-gpu.sh [ROW ...]      # default: every row
-# Budget: 11 engine starts of ~20-40 s each (enforce_eager). Rows that would start past
+#   bash scripts/matrix-gpu.sh [ROW ...] [--keep FILE]   # default: every row
+# Every equal row also gets a corruption run (held KV blocks swapped midway through the
+# decode; the tokens must change), so three engine starts per row.
+# Budget: up to 3 engine starts per row of ~20-40 s each (enforce_eager). Rows that would start past
 # DEADLINE seconds (default 420) are recorded as not run, so the command stays < 8 min;
 # run those rows in a second command (bash scripts/matrix-gpu.sh mla ...) if need be.
 set -uo pipefail
@@ -18,7 +20,16 @@ mkdir -p "$out"
 bash "$repo/scripts/install-into-site.sh" /tmp/site || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 KVCACHED_BACKEND=cuda
+# the harness runs from /tmp (so that kvcached comes from the site, not this tree): a
+# relative --keep FILE is made absolute first
+args=()
+while [ $# -gt 0 ]; do
+    case $1 in
+    --keep) args+=(--keep "$(realpath -m "$2")"); shift 2 ;;
+    *) args+=("$1"); shift ;;
+    esac
+done
 cd /tmp
 python3 "$repo/tests/matrix/harness.py" --gpu --deadline "${DEADLINE:-420}" \
-    --out "$out/vllm-gpu.json" "$@" \
+    --out "$out/vllm-gpu.json" "${args[@]}" \
     2>&1 | tee "$out/matrix-gpu.log"
