@@ -48,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from kvcached.backend import Backend
+from kvcached.backend import Backend, Page, Reservation
 from kvcached.conformance.capabilities import CapabilityGate, fill_bytes, read_bytes
 from kvcached.errors import InvalidArgument, OutOfMemory
 
@@ -695,22 +695,31 @@ class ConformanceSuite(CapabilityGate):
             for page in pages[1::3]:  # free some, so later pages may reuse their memory
                 backend.release(page)
             pages = [p for p in pages if not p.closed] + [backend.create(s * g) for s in (2, 1)]
-            offsets, cursor = [], 0
-            for page in pages:
-                offsets.append(cursor)
-                backend.map(r, cursor, page)
-                cursor += page.nbytes + g  # a hole between neighbours
-            for i, (offset, page) in enumerate(zip(offsets, pages, strict=True)):
-                self.fill(backend, r, offset, page.nbytes, 0x10 + i)
-            seen = [
-                self.read(backend, r, offset, page.nbytes)
-                for offset, page in zip(offsets, pages, strict=True)
-            ]
-            for offset, page in zip(offsets, pages, strict=True):
-                backend.unmap(r, offset, page.nbytes)
-                backend.release(page)
+            seen = self._patterns_read_back(backend, r, g, pages, 0x10)
         expected = [{0x10 + i} for i in range(len(pages))]
         assert seen == expected, "two live pages share memory (one's writes show in another)"
+
+    def _patterns_read_back(
+        self, backend: Backend, r: Reservation, g: int, pages: list[Page], first: int
+    ) -> list[set[int]]:
+        """Map `pages` into `r` one after another with a granule's hole between
+        neighbours, fill page i with byte `first + i`, and return the byte values each
+        reads back; then unmap and release them all."""
+        offsets, cursor = [], 0
+        for page in pages:
+            offsets.append(cursor)
+            backend.map(r, cursor, page)
+            cursor += page.nbytes + g  # a hole between neighbours
+        for i, (offset, page) in enumerate(zip(offsets, pages, strict=True)):
+            self.fill(backend, r, offset, page.nbytes, first + i)
+        seen = [
+            self.read(backend, r, offset, page.nbytes)
+            for offset, page in zip(offsets, pages, strict=True)
+        ]
+        for offset, page in zip(offsets, pages, strict=True):
+            backend.unmap(r, offset, page.nbytes)
+            backend.release(page)
+        return seen
 
     def test_memory_freed_by_a_page_of_another_size_is_never_shared(
         self, backend: Backend, g: int
@@ -728,20 +737,7 @@ class ConformanceSuite(CapabilityGate):
                     neighbour = backend.create(g)
                     backend.release(gone)
                     pages = [neighbour, backend.create(wanted * g), backend.create(wanted * g)]
-                    offsets, cursor = [], 0
-                    for page in pages:
-                        offsets.append(cursor)
-                        backend.map(r, cursor, page)
-                        cursor += page.nbytes + g  # a hole between neighbours
-                    for i, (offset, page) in enumerate(zip(offsets, pages, strict=True)):
-                        self.fill(backend, r, offset, page.nbytes, 0x20 + i)
-                    seen = [
-                        self.read(backend, r, offset, page.nbytes)
-                        for offset, page in zip(offsets, pages, strict=True)
-                    ]
-                    for offset, page in zip(offsets, pages, strict=True):
-                        backend.unmap(r, offset, page.nbytes)
-                        backend.release(page)
+                    seen = self._patterns_read_back(backend, r, g, pages, 0x20)
                     if seen != [{0x20}, {0x21}, {0x22}]:
                         failures.append(f"{wanted}-granule pages after a {freed}-granule one")
         assert not failures, (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,15 @@ def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     reload_settings()
     registry.reset()
+
+
+@pytest.fixture
+def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ledger folder of this test's own (KVCACHED_LEDGER_DIR), the settings re-read:
+    other processes on the machine may use kvcached, and must never see a test's rows."""
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    reload_settings()
+    return tmp_path
 
 
 def _sigint_as_in_a_terminal() -> None:

@@ -42,10 +42,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
-    reload_settings()
-    return tmp_path
+def folder(ledger_dir: Path) -> Path:
+    return ledger_dir  # conftest's: this test's own KVCACHED_LEDGER_DIR
 
 
 @pytest.fixture

@@ -14,18 +14,10 @@ import pytest
 from kvcached.backends.host import HostBackend
 from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache
-from kvcached.config import reload_settings
 from kvcached.errors import InvalidArgument
 from kvcached.replay import RecordingBackend, Replica
 
 G = 64 << 10  # host granularity: one block is one page id
-
-
-@pytest.fixture
-def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
-    reload_settings()
-    return tmp_path
 
 
 @pytest.fixture
