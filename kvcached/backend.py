@@ -663,6 +663,27 @@ class Backend(Closeable, ABC):
         return covered
 
 
+class ArrayBackend(Backend):
+    """A backend whose pages can each be one typed framework array (mlx).
+
+    Without a VMM there is no range to view K and V through, so an engine's cache keeps
+    each run of K or V in one page made to its shape, and writes it in place. An engine
+    adapter asks for this class (`isinstance`), never for a backend by its module, so it
+    reaches the backend through the registry like every other layer above the seam.
+    """
+
+    @abstractmethod
+    def array_page_bytes(self, shape: Sequence[int], dtype: Any) -> int:
+        """Bytes of the page `create_array(shape, dtype)` would create (the rounding to
+        the granularity included), known before it exists so the ledger is charged
+        first."""
+
+    @abstractmethod
+    def create_array(self, shape: Sequence[int], dtype: Any) -> Page:
+        """A page holding one zeroed array of `shape` and `dtype`
+        (`array_page_bytes(shape, dtype)` bytes)."""
+
+
 def _int_tuple(what: str, values: Iterable[Any]) -> tuple[int, ...]:
     """`values` as ints; a float such as 2.5 (or 2.0) is refused, never truncated."""
     out: list[int] = []

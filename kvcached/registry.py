@@ -126,6 +126,17 @@ def get_backend(name: str | None = None, *, device: int | None = None) -> Backen
         return instance
 
 
+def new_backend(name: str, **options: Any) -> Backend:
+    """A new instance of backend `name`, not the process-wide one `get_backend` shares:
+    its caller owns it and closes it. `options` go to the backend's constructor.
+    BackendUnavailable when it cannot run here, naming why."""
+    cls = backend_class(name)
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailable(f"kvcached backend {name!r} is unavailable: {reason}")
+    return cls(**options)
+
+
 def framework_device() -> int | None:
     """The ordinal of torch's current GPU in this process (where an engine placed its
     model: a tensor-parallel rank's own GPU, SGLang's `--base-gpu-id`), or None when

@@ -23,8 +23,8 @@ pytest_gpu() { python3 -P -m pytest -q -p no:cacheprovider -rfEs "$@"; }
 for step in "${@:-all}"; do
     case $step in
     cuda | all)
-        run python3 -m kvcached.cli info
-        run python3 -m kvcached.cli conformance --backend cuda -p no:cacheprovider \
+        run python3 -m kvcached.apps.cli info
+        run python3 -m kvcached.apps.cli conformance --backend cuda -p no:cacheprovider \
             2>&1 | tee "$out/conformance-cuda.txt" ;;&
     tests | all)
         run pytest_gpu -m gpu "$repo/tests/test_gpu_cuda.py" "$repo/tests/test_allocator_gpu.py" \
@@ -35,7 +35,7 @@ for step in "${@:-all}"; do
             # shellcheck disable=SC1091 # written just above
             . /tmp/hip.env
             export KVCACHED_BACKEND=rocm
-            run python3 -m kvcached.cli info
+            run python3 -m kvcached.apps.cli info
             run python3 -P -m pytest -q -p no:cacheprovider --import-mode=importlib \
                 --pyargs kvcached.conformance --kvcached-backend=rocm
             run python3 "$repo/benchmarks/vmm_ops.py" --backend rocm --sizes-mib 2,64 \

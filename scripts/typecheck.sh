@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
-# mypy (strict on kvcached/ and backends/) over the package as it is installed.
-# mypy cannot follow setuptools' package-dir mapping (backends/ -> kvcached.backends),
-# so it checks a staged tree of symlinks laid out like the installed package.
+# mypy (strict on every package but the conformance suite) over the package as it is
+# installed: a staged tree of symlinks (scripts/stage-package.sh says why).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mypy=${MYPY:-"$root/.venv/bin/mypy"}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
-mkdir -p "$stage/kvcached"
-for entry in "$root"/kvcached/*; do
-    case "$(basename "$entry")" in __pycache__) continue ;; esac
-    ln -s "$entry" "$stage/kvcached/"
-done
-ln -s "$root/backends" "$stage/kvcached/backends"
-ln -s "$root/engines" "$stage/kvcached/engines"
-ln -s "$root/conformance" "$stage/kvcached/conformance"
+# shellcheck source=scripts/stage-package.sh
+. "$root/scripts/stage-package.sh"
+stage_package "$root" "$stage"
 cd "$stage"
 "$mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p kvcached

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvcached.cli import app
+from kvcached.apps.cli import app
 from kvcached.config import reload_settings
 from kvcached.errors import KVCachedError
 
@@ -70,7 +70,7 @@ def test_info_explains_an_unavailable_backend(monkeypatch: pytest.MonkeyPatch) -
 
 def test_conformance_command_runs_the_suite() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvcached.cli", "conformance", "--backend", "host",
+        [sys.executable, "-m", "kvcached.apps.cli", "conformance", "--backend", "host",
          "-k", "granularity or double_map"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -80,7 +80,7 @@ def test_conformance_command_runs_the_suite() -> None:
 
 def test_conformance_command_rejects_unknown_backend() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvcached.cli", "conformance", "--backend", "nope"],
+        [sys.executable, "-m", "kvcached.apps.cli", "conformance", "--backend", "nope"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2

@@ -181,7 +181,7 @@ def test_kvcached_info_validates_every_setting(monkeypatch: pytest.MonkeyPatch) 
     """`kvcached info` reported a healthy setup while KVCACHED_EXTENT_SIZE was 0."""
     from typer.testing import CliRunner
 
-    from kvcached.cli import app
+    from kvcached.apps.cli import app
 
     monkeypatch.setenv("KVCACHED_EXTENT_SIZE", "0")
     result = CliRunner().invoke(app, ["info", "--backend", "host", "--json"])
@@ -194,7 +194,7 @@ def test_kvcached_info_reports_a_setting_only_the_backend_reads(
 ) -> None:
     from typer.testing import CliRunner
 
-    from kvcached.cli import app
+    from kvcached.apps.cli import app
 
     monkeypatch.setenv("KVCACHED_HOST_GRANULARITY", "3MiB")
     result = CliRunner().invoke(app, ["info", "--backend", "host"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.demo import DemoConfig, make_load, run_demo
+from kvcached.apps.demo import DemoConfig, make_load, run_demo
 from kvcached.errors import InvalidArgument
 from kvcached.ledger import process_start_time
 
@@ -67,7 +67,7 @@ def _start_demo(
     scratch.mkdir()
     env = dict(os.environ, TMPDIR=str(scratch), KVCACHED_BACKEND="host")
     out = str(tmp_path / "d.png")
-    command = [sys.executable, "-m", "kvcached.cli", "demo", "--instances", "1",
+    command = [sys.executable, "-m", "kvcached.apps.cli", "demo", "--instances", "1",
                "--seconds", "60", "--budget", "256MiB", "--out", out]  # fmt: skip
     demo = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -99,7 +99,7 @@ def test_ctrl_c_while_workers_start_is_held_back_then_delivered() -> None:
     # regression (a CI flake): the coordinator ignored SIGINT while it started workers,
     # and a Ctrl-C pressed then (the test pressed it as soon as a worker was forked) was
     # lost: the demo ran both modes to their end
-    from kvcached.demo import _sigint_held
+    from kvcached.apps.demo import _sigint_held
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvcached.demo import BurstyLoad
-from kvcached.engines.vllm.demo import VllmDemoConfig, waited_and_preempted
+from kvcached.apps.demo import BurstyLoad
+from kvcached.apps.vllm_demo import VllmDemoConfig, waited_and_preempted
 from kvcached.ledger import process_start_time
 
 MiB = 1 << 20
@@ -58,7 +58,7 @@ def test_bursts_of_the_two_instances_do_not_overlap() -> None:
 
 def _kvcached(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvcached.cli", *args],
+        [sys.executable, "-m", "kvcached.apps.cli", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -109,7 +109,7 @@ def test_short_vllm_demo_prints_both_modes_and_draws_the_plot(tmp_path: Path) ->
         [
             sys.executable,
             "-m",
-            "kvcached.cli",
+            "kvcached.apps.cli",
             "demo",
             "--engine",
             "vllm",
@@ -179,7 +179,7 @@ def test_vllm_demo_stopped_while_servers_start_leaves_no_server_or_folder(
         [
             sys.executable,
             "-m",
-            "kvcached.cli",
+            "kvcached.apps.cli",
             "demo",
             "--engine",
             "vllm",

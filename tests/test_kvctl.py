@@ -16,10 +16,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from kvcached.apps.kvctl import app as kvctl
+from kvcached.apps.kvtop import app as kvtop
+from kvcached.apps.kvtop import frame, usage_bar
+from kvcached.apps.ledger_view import format_bytes, format_bytes_short
 from kvcached.config import reload_settings
-from kvcached.kvctl import app as kvctl
-from kvcached.kvtop import app as kvtop
-from kvcached.kvtop import format_bytes, format_bytes_short, frame, usage_bar
 from kvcached.ledger import HEADER_SIZE, ROW_SIZE, Ledger, LedgerAccount, ledger_path
 
 MiB = 1 << 20
@@ -362,7 +363,7 @@ def test_metrics_skip_missing_ledgers(folder: Path) -> None:
 
 def test_kvctl_serve_metrics_subprocess(instances: object, folder: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcached.kvctl", "serve-metrics", "--port", "0"],
+        [sys.executable, "-m", "kvcached.apps.kvctl", "serve-metrics", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvcached.apps.kvctl import app as kvctl
 from kvcached.cache import KVCache
 from kvcached.config import reload_settings
-from kvcached.kvctl import app as kvctl
 from kvcached.layout import LayerSpec
 from kvcached.ledger import (
     HEADER_SIZE,
@@ -40,11 +40,10 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+def folder(ledger_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVCACHED_BACKEND", "host")
     reload_settings()
-    return tmp_path
+    return ledger_dir
 
 
 @pytest.fixture

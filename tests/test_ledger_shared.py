@@ -24,10 +24,10 @@ import pytest
 from typer.testing import CliRunner
 
 import kvcached.ledger as ledger_module
+from kvcached.apps.kvctl import app as kvctl
+from kvcached.apps.ledger_view import format_bytes
 from kvcached.config import reload_settings, settings
 from kvcached.errors import InvalidArgument
-from kvcached.kvctl import app as kvctl
-from kvcached.kvtop import format_bytes
 from kvcached.ledger import (
     HEADER_SIZE,
     Ledger,

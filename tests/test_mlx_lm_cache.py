@@ -262,3 +262,16 @@ def test_growth_relocates_one_layer_at_a_time_not_all_at_once(model: Any, pool: 
     assert growth_peak <= new_total - old_total + one_layer_old + slack
     assert new_total - old_total + all_layers_old > new_total - old_total + one_layer_old + slack
     pool.release(cache)
+
+
+def test_pool_refuses_a_backend_whose_pages_are_not_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool reaches its backend through the seam (`ArrayBackend`), not the mlx
+    module: a backend without typed array pages is named and refused."""
+    from kvcached.backends.host import HostBackend
+    from kvcached.errors import InvalidArgument
+
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    with HostBackend() as host, pytest.raises(InvalidArgument, match="'host'"):
+        KVPool("not-arrays", backend=host)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(tmp_path: Path) -> None:
     )  # fmt: skip
     probe = (
         "import json, kvcached, kvcached.backends.host, kvcached.conformance, "
-        "kvcached.engines; from kvcached import registry; "
+        "kvcached.engines, kvcached.apps.cli; from kvcached import registry; "
         "print(json.dumps({'file': kvcached.__file__, 'names': registry.backend_names(), "
         "'selected': registry.resolve_name()}))"
     )

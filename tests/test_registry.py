@@ -111,3 +111,20 @@ def test_a_device_ordinal_leaves_backends_without_a_device_choice_shared(
     # a tensor-parallel rank asks for its own device; the host backend has only one
     monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
     assert registry.get_backend("host", device=3) is registry.get_backend("host")
+
+
+def test_new_backend_is_the_callers_own_not_the_shared_one() -> None:
+    shared = kvcached.get_backend("host")
+    own = registry.new_backend("host")
+    try:
+        assert isinstance(own, HostBackend) and own is not shared
+        assert registry.new_backend("host") is not own  # a new one every call
+    finally:
+        own.close()
+    assert not shared.closed  # closing one's own leaves the shared instance alone
+
+
+def test_new_backend_that_cannot_run_here_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_extra_entry_points(monkeypatch, broken=f"{__name__}:BrokenBackend")
+    with pytest.raises(BackendUnavailable, match="needs hardware this machine lacks"):
+        registry.new_backend("broken")

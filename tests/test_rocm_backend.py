@@ -101,7 +101,8 @@ def test_kvcached_info_explains_why_rocm_is_unavailable(standin_root: Path, tmp_
     env = child_env(standin_root, tmp_path, HIPSTANDIN_DEVICES="0", KVCACHED_BACKEND="rocm")
     env["COLUMNS"] = "400"  # keep rich from wrapping the reason
     done = standin.run_python(
-        "import sys; sys.argv = ['kvcached', 'info']\nfrom kvcached.cli import main; main()", env
+        "import sys; sys.argv = ['kvcached', 'info']\nfrom kvcached.apps.cli import main; main()",
+        env,
     )
     out = done.stdout + done.stderr
     assert done.returncode != 0

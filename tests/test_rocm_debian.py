@@ -129,7 +129,7 @@ def test_kvcached_info_explains_the_missing_device(debian_hip: tuple[Path, Path]
     if Path("/dev/kfd").exists():
         pytest.skip("this machine has an AMD GPU driver (/dev/kfd)")
     done = standin.run_python(
-        "import sys\nsys.argv = ['kvcached', 'info']\nfrom kvcached.cli import main\nmain()",
+        "import sys\nsys.argv = ['kvcached', 'info']\nfrom kvcached.apps.cli import main\nmain()",
         env_for(debian_hip, KVCACHED_BACKEND="rocm", COLUMNS="400"),
     )
     out = done.stdout + done.stderr

@@ -16,6 +16,7 @@ import pytest
 from kvcached.backends.host import HostBackend
 from kvcached.engines.sglang import instance, refusals, shims
 from kvcached.engines.sglang.capacity import ElasticCapacity
+from kvcached.engines.sglang.geometry import PADDING_PAGE, PoolGeometry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,7 +176,7 @@ def test_sglangs_own_vmm_kv_arena_is_refused() -> None:
 # ------------------------------------------------------------------ geometry
 def test_the_pool_geometry_puts_every_buffer_on_whole_page_ids() -> None:
     backend = HostBackend()
-    geometry = instance.PoolGeometry(segments=6, rows=16385, row_bytes=256, page_size=1)
+    geometry = PoolGeometry(segments=6, rows=16385, row_bytes=256, page_size=1)
     backing = geometry.backing(backend)
     try:
         group = backing.group
@@ -188,7 +189,7 @@ def test_the_pool_geometry_puts_every_buffer_on_whole_page_ids() -> None:
 
 
 def test_a_paged_pool_maps_sglang_pages_to_kvcached_blocks() -> None:
-    geometry = instance.PoolGeometry(segments=2, rows=4096 + 16, row_bytes=512, page_size=16)
+    geometry = PoolGeometry(segments=2, rows=4096 + 16, row_bytes=512, page_size=16)
     assert geometry.pages == 257  # the padding page and 256 pages of 16 slots
     assert geometry.page_bytes == 16 * 512
 
@@ -204,17 +205,17 @@ def _instance(
     os.environ["KVCACHED_BUDGET"] = budget
     os.environ["KVCACHED_EXTENT_SIZE"] = "2MiB"  # one page id per extent: releases show
     reload_settings()
-    geometry = instance.PoolGeometry(segments=4, rows=rows, row_bytes=256, page_size=1)
+    geometry = PoolGeometry(segments=4, rows=rows, row_bytes=256, page_size=1)
     return instance.single(geometry, HostBackend(), name=f"test-{rows}")
 
 
 def test_the_padding_page_is_mapped_and_pinned(ledger_env: Path) -> None:
     found = _instance(ledger_env)
     try:
-        assert found.allocator.is_allocated(instance.PADDING_PAGE)
+        assert found.allocator.is_allocated(PADDING_PAGE)
         capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
-        capacity.give([instance.PADDING_PAGE])  # ignored: never handed out, never freed
-        assert found.allocator.is_allocated(instance.PADDING_PAGE)
+        capacity.give([PADDING_PAGE])  # ignored: never handed out, never freed
+        assert found.allocator.is_allocated(PADDING_PAGE)
     finally:
         found.close()
 

@@ -1,7 +1,7 @@
 """Tables at 80 columns: `kvctl list` and the demos' tables cut no cell and no header.
 
 Rich used to fit them by cutting cells to an ellipsis ("23…" for a pid, "1.17 …" for a
-size, "se…" for a header); `kvcached.tables.FittedTable` narrows the layout instead.
+size, "se…" for a header); `kvcached.apps.tables.FittedTable` narrows the layout instead.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from kvcached.apps.demo import DemoConfig, _table, comparison_table
+from kvcached.apps.kvctl import app as kvctl
+from kvcached.apps.tables import Column, FittedTable, Short
+from kvcached.apps.vllm_demo import VllmDemoConfig
+from kvcached.apps.vllm_demo import comparison_table as vllm_comparison_table
 from kvcached.config import reload_settings
-from kvcached.demo import DemoConfig, _table, comparison_table
-from kvcached.engines.vllm.demo import VllmDemoConfig
-from kvcached.engines.vllm.demo import comparison_table as vllm_comparison_table
-from kvcached.kvctl import app as kvctl
 from kvcached.ledger import Ledger
-from kvcached.tables import Column, FittedTable, Short
 
 MiB = 1 << 20
 GiB = 1 << 30

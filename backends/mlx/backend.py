@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcached.backend import (
-    Backend,
+    ArrayBackend,
     Capabilities,
     Page,
     Reservation,
@@ -142,7 +142,7 @@ def _buffer(page: Page) -> MlxBuffer:
     return handle
 
 
-class MlxBackend(Backend):
+class MlxBackend(ArrayBackend):
     """Pages are MLX arrays; reservations and mappings are bookkeeping (no VMM)."""
 
     name = "mlx"
@@ -271,6 +271,9 @@ class MlxBackend(Backend):
             with self._lock:
                 self._used -= nbytes
             raise
+
+    def array_page_bytes(self, shape: Sequence[int], dtype: Any) -> int:
+        return array_page_bytes(shape, dtype)
 
     def create_array(self, shape: Sequence[int], dtype: Any) -> Page:
         """A page holding one zeroed MLX array of `shape` and `dtype`, its size rounded

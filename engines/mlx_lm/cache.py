@@ -30,13 +30,14 @@ each operation that changes the batch's rows builds a new run and releases the o
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcached.errors import InvalidArgument, OutOfMemory
 
 if TYPE_CHECKING:
     from kvcached.backend import Page
-    from kvcached.engines.mlx_lm.pool import KVPool
+    from kvcached.charged import ChargedPages
 
 
 class KVCacheExhausted(OutOfMemory):
@@ -86,7 +87,28 @@ def _copy_now(new: _Run, old: _Run, tokens: int) -> None:
     _mx().eval(new.keys, new.values)
 
 
-def _release_pages(pool_ref: weakref.ref[KVPool], pages: list[Page]) -> None:
+class RunSource(Protocol):
+    """What a cache asks of the pool it draws from: `KVPool` is one. Named here, not
+    imported, since the pool imports the caches it hands out (no import circle)."""
+
+    #: tokens a run grows by once past the capacity it was made with
+    step: int
+    #: counters the caches add to ("relocations")
+    stats: Counter[str]
+    #: the ledger-charged pages runs are made of; a cache releases its own through it
+    pages: ChargedPages
+
+    @property
+    def closed(self) -> bool: ...
+
+    def new_run(
+        self, keys_shape: tuple[int, ...], values_shape: tuple[int, ...], dtype: Any
+    ) -> _Run:
+        """Charge and create a run; KVCacheExhausted (nothing held) when refused."""
+        ...
+
+
+def _release_pages(pool_ref: weakref.ref[RunSource], pages: list[Page]) -> None:
     """Finalizer of a cache: give its pages back even if nobody called release()."""
     pool = pool_ref()
     while pages:
@@ -98,11 +120,11 @@ def _release_pages(pool_ref: weakref.ref[KVPool], pages: list[Page]) -> None:
 class _RunHolder:
     """What both cache forms share: the run, its pages, the pool, growth."""
 
-    pool: KVPool
+    pool: RunSource
     _run: _Run | None
     _pages: list[Page]
 
-    def _attach(self, pool: KVPool) -> None:
+    def _attach(self, pool: RunSource) -> None:
         self.pool = pool
         self._run = None
         self._pages = []  # the run's pages; the finalizer releases what is left in it
@@ -159,7 +181,7 @@ class ElasticKVCache(_RunHolder):
     Make a model's list with `KVPool.make_cache(model, capacity=...)`; hand it to mlx-lm
     as `prompt_cache=`, or install `pool.make_cache` as `model.make_cache`."""
 
-    def __init__(self, pool: KVPool, capacity: int | None = None) -> None:
+    def __init__(self, pool: RunSource, capacity: int | None = None) -> None:
         if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
             raise InvalidArgument(f"capacity must be a positive token count, got {capacity!r}")
         self._attach(pool)
@@ -251,7 +273,7 @@ class ElasticKVCache(_RunHolder):
 class ElasticBatchKVCache(_RunHolder):
     """One layer's cache of a batch, in mlx-lm's `BatchKVCache` protocol (left-padded)."""
 
-    def __init__(self, pool: KVPool, left_padding: list[int]) -> None:
+    def __init__(self, pool: RunSource, left_padding: list[int]) -> None:
         mx = _mx()
         self._attach(pool)
         self.left_padding = mx.array(left_padding)

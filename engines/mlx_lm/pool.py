@@ -9,8 +9,10 @@ bounds it), and hands out caches whose runs it charges there (`ChargedPages`).
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvcached import registry
+from kvcached.backend import ArrayBackend
 from kvcached.charged import ChargedPages
 from kvcached.config import parse_size, settings
 from kvcached.engines.mlx_lm.cache import (
@@ -22,9 +24,6 @@ from kvcached.engines.mlx_lm.cache import (
 from kvcached.errors import InvalidArgument, OutOfMemory
 from kvcached.ledger import Ledger, ledger_key
 from kvcached.lifetime import Closeable
-
-if TYPE_CHECKING:
-    from kvcached.backends.mlx import MlxBackend
 
 #: Tokens a run grows by past the capacity it was made with (mlx-lm's KVCache step).
 DEFAULT_STEP = 256
@@ -41,7 +40,8 @@ class KVPool(Closeable):
             when given and the ledger exists with another budget, a warning says it is
             ignored and how to change it (None: no warning; a server of several rows
             warns once).
-        backend: an `MlxBackend` (default: a new one).
+        backend: an `ArrayBackend` (default: a new mlx backend, from the registry, that
+            the pool closes with itself).
         step: tokens a run grows by once past the capacity it was made with.
         engine: shown by kvctl/kvtop.
     """
@@ -53,15 +53,21 @@ class KVPool(Closeable):
         limit: int | None = None,
         budget: int | str | None = None,
         budget_source: str | None = None,
-        backend: MlxBackend | None = None,
+        backend: ArrayBackend | None = None,
         step: int = DEFAULT_STEP,
         engine: str = "mlx-lm",
     ) -> None:
-        from kvcached.backends.mlx import MlxBackend
-
         if not isinstance(step, int) or step <= 0:
             raise InvalidArgument(f"step must be a positive token count, got {step!r}")
-        self.backend = backend if backend is not None else MlxBackend()
+        chosen = backend if backend is not None else registry.new_backend("mlx")
+        if not isinstance(chosen, ArrayBackend):
+            name = getattr(chosen, "name", type(chosen).__name__)
+            if backend is None:
+                chosen.close()
+            raise InvalidArgument(
+                f"KVPool needs a backend whose pages are arrays (mlx), got {name!r}"
+            )
+        self.backend = chosen
         self._own_backend = backend is None
         self.step = step
         self.stats: Counter[str] = Counter()
@@ -100,17 +106,15 @@ class KVPool(Closeable):
         self, keys_shape: tuple[int, ...], values_shape: tuple[int, ...], dtype: Any
     ) -> _Run:
         """Charge and create a run; KVCacheExhausted (nothing held) when refused."""
-        from kvcached.backends.mlx import array_page_bytes
-
         self._check_open()
         keys_page = values_page = None
         try:
             keys_page = self.pages.create(
-                array_page_bytes(keys_shape, dtype),
+                self.backend.array_page_bytes(keys_shape, dtype),
                 lambda: self.backend.create_array(keys_shape, dtype),
             )
             values_page = self.pages.create(
-                array_page_bytes(values_shape, dtype),
+                self.backend.array_page_bytes(values_shape, dtype),
                 lambda: self.backend.create_array(values_shape, dtype),
             )
         except OutOfMemory as exc:

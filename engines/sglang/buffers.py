@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from kvcached.engines.sglang import instance
+from kvcached.engines.sglang.geometry import PoolGeometry
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
@@ -67,17 +68,17 @@ def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:
             f"SGLang runs on {device} but the kvcached backend's memory is on "
             f"{backend.device} (KVCACHED_BACKEND)"
         )
-    geometry = instance.PoolGeometry(
+    geometry = PoolGeometry(
         segments=segments,
         rows=int(pool.size) + int(pool.page_size),
         row_bytes=row_bytes,
         page_size=int(pool.page_size),
     )
-    from kvcached.engines.sglang.tensor_parallel import sglang_channel
+    from kvcached.engines.sglang.tensor_parallel import sglang_channel, start_shared
 
     channel = sglang_channel()
     if channel is not None:  # a tensor-parallel rank: rank 0 decides, every rank maps
-        return instance.start_shared(geometry, backend, channel, model=_model_name())
+        return start_shared(geometry, backend, channel, model=_model_name())
     return instance.start(geometry, backend, model=_model_name())
 
 

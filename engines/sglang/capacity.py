@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 
 from kvcached.allocator import PageAllocator
-from kvcached.engines.sglang.instance import PADDING_PAGE
+from kvcached.engines.sglang.geometry import PADDING_PAGE
 
 #: how long (seconds) a computed obtainable count is reused. SGLang asks for the free
 #: count several times per scheduling step; the exact figure reads the ledger under its

@@ -7,68 +7,28 @@ created first (`buffers.py`): that makes the instance here, a `KVCache` over a
 The allocator SGLang builds next (`allocator.py`) finds it here.
 
 Block `b` of the kvcached allocator is SGLang's page `b` (one token slot when
-page_size is 1). Page 0 holds slot 0, where SGLang writes padded tokens: it is taken
-from the allocator as soon as the cache exists, so its memory is mapped before any
-forward pass (CUDA-graph capture included) and is never handed out or released.
+page_size is 1); page 0 is the padding page (`geometry.PADDING_PAGE`), pinned as soon
+as the cache exists.
 
-With tensor parallelism (`start_shared`) only rank 0 has the `KVCache` and allocator;
-every rank maps its own GPU's memory by replaying rank 0's decisions
-(`tensor_parallel.py`).
+With tensor parallelism (`tensor_parallel.start_shared`) only rank 0 has the `KVCache`
+and allocator; every rank maps its own GPU's memory by replaying rank 0's decisions.
+That module builds on this one (`replace`, `SglangInstance`), never the other way.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from kvcached import config
 from kvcached.allocator import PageAllocator
-from kvcached.backing import BackingBuffer, blocks_multiple
+from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache, start_engine_cache
+from kvcached.engines.sglang.capacity import ElasticCapacity
+from kvcached.engines.sglang.geometry import PoolGeometry
 
 log = logging.getLogger("sglang.kvcached")
-
-PADDING_PAGE = 0
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """Where SGLang's pool puts every page: `segments` buffers (2 per layer for MHA,
-    1 for MLA) of `rows` token rows of `row_bytes`, `page_size` rows per page."""
-
-    segments: int
-    rows: int
-    row_bytes: int
-    page_size: int
-
-    @property
-    def pages(self) -> int:
-        """SGLang's pages, the padding page 0 included."""
-        return -(-self.rows // self.page_size)
-
-    @property
-    def page_bytes(self) -> int:
-        return self.row_bytes * self.page_size
-
-    def blocks_per_segment(self, granularity: int) -> int:
-        """The pool's pages rounded up to whole kvcached page ids (the rounding is
-        reserved address space that is never handed out)."""
-        multiple = blocks_multiple(granularity, self.page_bytes)
-        return -(-self.pages // multiple) * multiple
-
-    def backing(self, backend: Any) -> BackingBuffer:
-        blocks = self.blocks_per_segment(backend.granularity)
-        segment_bytes = blocks * self.page_bytes
-        return BackingBuffer(
-            backend,
-            nbytes=self.segments * segment_bytes,
-            num_blocks=blocks,
-            block_bytes=self.page_bytes,
-            segment_offsets=[i * segment_bytes for i in range(self.segments)],
-            name="sglang-kv",
-        )
 
 
 def instance_name(model: str | None) -> str:
@@ -80,9 +40,10 @@ class SglangInstance:
     """An SGLang pool's memory and the capacity its allocator draws from.
 
     One rank (`start`): a `KVCache` over `backing` (allocator, ledger row, pinned
-    padding page) and an `ElasticCapacity`. A tensor-parallel rank (`start_shared`):
-    `backing` is this rank's own reservation, mapped by replaying rank 0's op log;
-    rank 0 alone also has the `KVCache` (over a recording backing) and `allocator`.
+    padding page) and an `ElasticCapacity`. A tensor-parallel rank
+    (`tensor_parallel.start_shared`): `backing` is this rank's own reservation, mapped
+    by replaying rank 0's op log; rank 0 alone also has the `KVCache` (over a recording
+    backing) and `allocator`.
     """
 
     def __init__(
@@ -131,8 +92,6 @@ class SglangInstance:
 
 
 def single(geometry: PoolGeometry, backend: Any, *, name: str) -> SglangInstance:
-    from kvcached.engines.sglang.capacity import ElasticCapacity
-
     backing = geometry.backing(backend)
     cache = KVCache(layout=backing, name=name, engine="sglang", backend=backend)
     allocator = start_engine_cache(cache, "SGLang's padding page")
@@ -146,7 +105,8 @@ _lock = threading.Lock()
 _current: SglangInstance | None = None
 
 
-def _replace(make: Any) -> SglangInstance:
+def replace(make: Any) -> SglangInstance:
+    """Make this process's instance with `make()`, closing an earlier one first."""
     global _current
     with _lock:
         if _current is not None:
@@ -159,26 +119,7 @@ def _replace(make: Any) -> SglangInstance:
 
 def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangInstance:
     """Create this process's instance (closing an earlier one)."""
-    return _replace(lambda: single(geometry, backend, name=instance_name(model)))
-
-
-def start_shared(
-    geometry: PoolGeometry,
-    backend: Any,
-    channel: Any,
-    *,
-    model: str | None,
-    device: str | int | None = None,
-) -> SglangInstance:
-    """This tensor-parallel rank's instance: every rank of `channel` calls it at the same
-    point (SGLang builds its pools in lockstep). `device` names this rank's device for
-    the ledgers (default the backend's)."""
-    from kvcached.engines.sglang.tensor_parallel import start_rank
-
-    here = backend.device if device is None else device
-    return _replace(
-        lambda: start_rank(geometry, backend, channel, name=instance_name(model), device=here)
-    )
+    return replace(lambda: single(geometry, backend, name=instance_name(model)))
 
 
 def current() -> SglangInstance | None:

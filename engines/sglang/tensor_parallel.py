@@ -44,8 +44,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvcached.engines.sglang import instance
 from kvcached.engines.sglang.capacity import RACE_RETRY_S, ElasticCapacity
-from kvcached.engines.sglang.instance import PADDING_PAGE, PoolGeometry, SglangInstance
+from kvcached.engines.sglang.geometry import PADDING_PAGE, PoolGeometry
+from kvcached.engines.sglang.instance import SglangInstance
 from kvcached.engines.sglang.refusals import Refused
 from kvcached.replay import Op, RecordingBackend, Replica
 
@@ -412,12 +414,31 @@ def start_rank(
     )
 
 
+def start_shared(
+    geometry: PoolGeometry,
+    backend: Any,
+    channel: Channel,
+    *,
+    model: str | None,
+    device: str | int | None = None,
+) -> SglangInstance:
+    """This tensor-parallel rank's instance: every rank of `channel` calls it at the same
+    point (SGLang builds its pools in lockstep). `device` names this rank's device for
+    the ledgers (default the backend's)."""
+    here = backend.device if device is None else device
+    return instance.replace(
+        lambda: start_rank(
+            geometry, backend, channel, name=instance.instance_name(model), device=here
+        )
+    )
+
+
 def carries_decisions(
     original: Any, receiver: Any, recv_reqs: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """AROUND `SchedulerRequestReceiver._broadcast_reqs_across_ranks`: rank 0's `Step`
     travels with the requests SGLang broadcasts, and is taken out on every rank."""
-    from kvcached.engines.sglang import instance, lifecycle
+    from kvcached.engines.sglang import lifecycle
 
     found = instance.current()
     capacity = getattr(found, "capacity", None)

@@ -14,10 +14,11 @@ reservation of the same geometry. The ops travel through vLLM's own channels:
   (`apply_on_worker`), so an idle instance's releases complete and are refunded.
 
 A release is refunded to the ledger only after it is acknowledged (`wait_applied`, in
-the allocator's pool thread). Every worker's copy is charged: the ledger row is charged
-world-size bytes per byte mapped. On one host all ranks share the host ledger; on
-several GPUs the row is kept on the scheduler's device's ledger (per-device rows are
-not implemented yet).
+the allocator's pool thread). Every worker's copy is charged to its own device's
+ledger: the instance has one row per device its workers use (`sizing._worker_devices`
+asks them), each charged as many copies as that device has ranks, all or none
+(`KVCache(copies=...)`). On one host every rank shares the host ledger, whose row is
+charged world-size bytes per byte mapped. Decision record 0007 says why.
 """
 
 from __future__ import annotations

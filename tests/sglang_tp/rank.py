@@ -30,11 +30,12 @@ from typing import Any
 import torch.distributed as dist
 
 from kvcached.engines.sglang import instance, tensor_parallel
+from kvcached.engines.sglang.geometry import PoolGeometry
 from kvcached.registry import get_backend
 
 #: 4 segments of 256-byte rows, page size 1: a kvcached page id is 8192 SGLang pages
 #: (8 MiB over the 4 segments); the pool holds 8 page ids
-GEOMETRY = instance.PoolGeometry(segments=4, rows=8 * 8192, row_bytes=256, page_size=1)
+GEOMETRY = PoolGeometry(segments=4, rows=8 * 8192, row_bytes=256, page_size=1)
 PAGE_ID = 8 * 1024 * 1024
 PAGES_PER_ID = 8192
 
@@ -145,10 +146,14 @@ def run(rank: int, scenario: str) -> dict[str, Any]:
     backend = get_backend("host")
     channel = tensor_parallel.ProcessGroupChannel(dist.group.WORLD, leader=0, is_leader=rank == 0)
     if scenario == "upkeep":
-        found = instance.start_shared(GEOMETRY, backend, channel, model="tp", device=str(rank))
+        found = tensor_parallel.start_shared(
+            GEOMETRY, backend, channel, model="tp", device=str(rank)
+        )
         return upkeep(rank, found, channel)
     if scenario == "shared":
-        found = instance.start_shared(GEOMETRY, backend, channel, model="tp", device=str(rank))
+        found = tensor_parallel.start_shared(
+            GEOMETRY, backend, channel, model="tp", device=str(rank)
+        )
     else:
         found = instance.start(GEOMETRY, backend, model=f"alone-{rank}")
         if rank == 1:  # another history: some pages taken and given back in another order

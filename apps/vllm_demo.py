@@ -5,7 +5,7 @@ the module `vllm serve` runs) on 127.0.0.1, each with ENABLE_KVCACHED=1 on the h
 backend, all charged to one ledger in a temporary folder whose budget is `--budget`.
 They serve a tiny random-weight Qwen3 built locally (`kvcached.random_model`) into a
 cache folder, so nothing is downloaded. The load is the synthetic demo's
-(`kvcached.demo.BurstyLoad`): bursts phase-shifted so that one instance is busy while
+(`kvcached.apps.demo.BurstyLoad`): bursts phase-shifted so that one instance is busy while
 the others idle; every request is a streamed completion through the `openai` client,
 timed to its first token (TTFT).
 
@@ -20,7 +20,7 @@ server's Prometheus `/metrics`.
 Stopping it. The servers run in their own sessions, so a terminal's Ctrl-C reaches
 only the demo, which then stops them (SIGTERM to each server's process group, SIGKILL
 after a grace period) and removes its temporary folder; SIGTERM to the demo does the
-same through `kvcached.demo.stop_on_sigterm`.
+same through `kvcached.apps.demo.stop_on_sigterm`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcached.demo import BurstyLoad, Panel, TimedRequest, percentile, plot_modes, timed_requests
+from kvcached.apps.demo import (
+    BurstyLoad,
+    Panel,
+    TimedRequest,
+    percentile,
+    plot_modes,
+    timed_requests,
+)
 from kvcached.random_model import TINY
 
 MiB = 1 << 20
@@ -429,7 +436,7 @@ def summarize(config: VllmDemoConfig, result: VllmModeResult) -> dict[str, Any]:
 
 def comparison_table(config: VllmDemoConfig, summaries: list[dict[str, Any]]) -> Any:
     """Both modes side by side, from their JSON summaries (whole at any width)."""
-    from kvcached.tables import Column, FittedTable
+    from kvcached.apps.tables import Column, FittedTable
 
     titles = ("mode", "sent", "served", "TTFT p50", "TTFT p99", "waited", "preempted",
               "tok/s", "peak KV")  # fmt: skip

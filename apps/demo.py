@@ -2,7 +2,7 @@
 
 This module is the synthetic demo and what every engine demo shares: the phase-shifted
 bursty load (`BurstyLoad`, `timed_requests`) and the plot (`plot_modes`).
-`--engine vllm` runs real vLLM servers instead (`kvcached.engines.vllm.demo`).
+`--engine vllm` runs real vLLM servers instead (`kvcached.apps.vllm_demo`).
 
 What runs. `--instances` worker processes each own a KV cache for a realistic model
 shape (Llama-3.2-1B's by default: 16 layers, 8 KV heads, head dim 64, bf16) on the
@@ -58,7 +58,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 #: what `kvcached demo --engine` accepts: this module's synthetic load, or real vLLM servers
-#: (kvcached.engines.vllm.demo)
+#: (kvcached.apps.vllm_demo)
 ENGINES = ("synthetic", "vllm")
 
 TICK_S = 0.05  # one scheduler step
@@ -464,7 +464,7 @@ def _next_report(reports: Any, processes: list[Any]) -> dict[str, Any]:
 
 def _table(config: DemoConfig, mode: str, latest: dict[int, dict[str, Any]]) -> Any:
     """The live table of one mode (it fits any terminal without cutting a figure)."""
-    from kvcached.tables import Cell, Column, FittedTable
+    from kvcached.apps.tables import Cell, Column, FittedTable
 
     columns = [Column(title) for title in ("inst", "t (s)", "KV held", "KV used", "running",
                                            "queued", "served", "waited")]  # fmt: skip
@@ -572,7 +572,7 @@ def plot(config: DemoConfig, results: list[ModeResult], path: Path) -> None:
 
 def comparison_table(summaries: list[dict[str, Any]]) -> Any:
     """Both modes side by side, from their JSON summaries (whole at any width)."""
-    from kvcached.tables import Cell, Column, FittedTable
+    from kvcached.apps.tables import Cell, Column, FittedTable
 
     # queued: still waiting when the run ended; corrupt: blocks that read back wrong
     columns = [Column(title) for title in ("mode", "arrived", "served", "waited", "queued",

@@ -16,14 +16,12 @@ message goes to stderr.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import re
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -31,22 +29,24 @@ import typer
 from rich.console import Console, RenderableType
 from rich.markup import escape
 
-from kvcached.config import parse_size
-from kvcached.errors import InvalidArgument, KVCachedError
-from kvcached.kvtop import (
+from kvcached.apps.ledger_view import (
+    fail,
     format_bytes,
     instances_table,
+    open_ledger,
     over_limit_notes,
     percent,
+    resolve_key,
     summary,
     unowned_note,
 )
+from kvcached.config import parse_size
+from kvcached.errors import InvalidArgument, KVCachedError
 from kvcached.ledger import (
     FileRepair,
     InstanceRow,
     Ledger,
     Totals,
-    default_key,
     repair_file,
     separate_ledgers,
     user_name,
@@ -115,41 +115,6 @@ def parse_limit(text: str, budget: int) -> int | None:
         return parse_size(text, total=budget, what="limit")
     except InvalidArgument as exc:
         raise InvalidArgument(f"{exc} (kvctl limit accepts {_LIMITS_ACCEPTED})") from None
-
-
-@contextlib.contextmanager
-def fail() -> Iterator[None]:
-    """Turn kvcached's errors into a message on stderr and exit status 1."""
-    try:
-        yield
-    except KVCachedError as exc:
-        _err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-
-
-def resolve_key(key: str | None, backend: str | None, device: str | None) -> str:
-    if key is not None:
-        if backend is not None or device is not None:
-            raise InvalidArgument("give either --key or --backend/--device, not both")
-        return key
-    return default_key(backend, device)
-
-
-def open_ledger(
-    key: str | None,
-    backend: str | None,
-    device: str | None,
-    ledger_dir: Path | None,
-    *,
-    create_with: int | None = None,
-) -> Ledger:
-    """The chosen ledger; created with budget `create_with` when given and missing."""
-    return Ledger.open(
-        resolve_key(key, backend, device),
-        create_with,
-        create=create_with is not None,
-        directory=ledger_dir,
-    )
 
 
 @app.command("list")

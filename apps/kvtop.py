@@ -14,10 +14,11 @@ Names come from a shared file that anyone holding it could have written, so they
 shown as plain text (never as rich markup) and the ledger replaces control characters
 in them with escapes before they get here.
 
-The rendering helpers here (`format_bytes`, `instances_table`, `frame`) are shared with
-kvctl. `kvctl list` draws its table through `kvcached.tables.FittedTable`, which takes
-the same approach as `top_table` for any table: figures are never cut, sizes get short
-and names fold where the terminal is narrow.
+What kvtop shares with kvctl (opening the ledger, sizes, the instances table, the
+summary and notes) lives in `kvcached.apps.ledger_view`, which both import. `kvctl list`
+draws its table through `kvcached.apps.tables.FittedTable`, which takes the same approach
+as `top_table` for any table: figures are never cut, sizes get short and names fold where
+the terminal is narrow.
 """
 
 from __future__ import annotations
@@ -34,47 +35,19 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvcached.ledger import InstanceRow, Ledger, Totals
-from kvcached.tables import Cell, Column, FittedTable, Short
+from kvcached.apps.ledger_view import (
+    fail,
+    format_bytes,
+    format_bytes_short,
+    open_ledger,
+    over_limit_notes,
+    summary,
+    unowned_note,
+)
+from kvcached.ledger import InstanceRow, Ledger
 
 MIN_BAR_WIDTH = 10
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _NUMBER_WIDTH = 6  # a short size ("12.5G") and room for the over-limit mark ("!")
-
-
-def _scaled(nbytes: int) -> tuple[float, str]:
-    """`nbytes` in the largest binary unit that keeps it under 1024."""
-    value = float(nbytes)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            break
-        value /= 1024
-    return value, unit
-
-
-def format_bytes(nbytes: int | None) -> str:
-    """'1.50 GiB', '512 MiB', '12.5 GiB'; '-' for None."""
-    if nbytes is None:
-        return "-"
-    value, unit = _scaled(nbytes)
-    if unit == "B" or abs(value) >= 100:
-        return f"{value:.0f} {unit}"
-    return f"{value:.1f} {unit}" if abs(value) >= 10 else f"{value:.2f} {unit}"
-
-
-def format_bytes_short(nbytes: int | None) -> str:
-    """At most five characters: '512M', '1.50G', '12.5G', '140G', '0B'; '-' for None."""
-    if nbytes is None:
-        return "-"
-    value, unit = _scaled(nbytes)
-    letter = unit[0]
-    if unit == "B" or abs(value) >= 100:
-        return f"{value:.0f}{letter}"
-    return f"{value:.1f}{letter}" if abs(value) >= 10 else f"{value:.2f}{letter}"
-
-
-def percent(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
 def usage_bar(used: int, reserved: int, limit: int | None, scale: int, width: int) -> Text:
@@ -103,84 +76,6 @@ def usage_bar(used: int, reserved: int, limit: int | None, scale: int, width: in
     for style, run in itertools.groupby(cells_drawn, key=lambda cell: cell[1]):
         bar.append("".join(char for char, _ in run), style=style)
     return bar
-
-
-def instances_table(rows: list[InstanceRow], totals: Totals) -> FittedTable:
-    """The table kvctl list / watch print (kvtop draws `top_table`): every figure whole at
-    any width, in short sizes and with names folded where 80 columns need it."""
-    columns = [
-        Column("NAME", justify="left"),
-        Column("ENGINE", justify="left"),
-        Column("PID"),
-        Column("USED"),
-        Column("RESERVED", short="RES"),
-        Column("LIMIT"),
-        Column("PEAK"),
-        Column("REFUSED"),
-    ]
-
-    def size(nbytes: int | None) -> Short:
-        return Short(format_bytes(nbytes), format_bytes_short(nbytes))
-
-    cells: list[list[Cell]] = []
-    for row in rows:
-        limit = size(row.limit)
-        if row.over_limit:
-            limit = Short(*(Text(f"{form}!", style="bold red") for form in limit))
-        cells.append(
-            [
-                Text(row.name),  # plain text: a name is never read as markup
-                Text(row.engine),
-                str(row.pid),
-                size(row.used),
-                size(row.reserved),
-                limit,
-                size(row.peak),
-                str(row.denied),
-            ]
-        )
-    return FittedTable(columns, cells, box=None)
-
-
-def summary(key: str, totals: Totals) -> Text:
-    """One line: the device total against its budget."""
-    line = Text(f"{key}: ", style="bold")
-    line.append(
-        f"{totals.instances} instances, {format_bytes(totals.reserved)} of "
-        f"{format_bytes(totals.budget)} reserved ({percent(totals.reserved, totals.budget)}), "
-        f"{format_bytes(totals.used)} used"
-    )
-    if totals.reserved > totals.budget:
-        over = format_bytes(totals.reserved - totals.budget)
-        line.append(f", over budget by {over}", style="bold red")
-    return line
-
-
-def over_limit_notes(rows: list[InstanceRow], *, short: bool = False) -> Text:
-    """A line per instance above its limit (after kvctl limit lowered it); `short`
-    ones fit 80 columns next to a 30-character name."""
-    notes = Text(style="red")
-    for row in rows:
-        if row.over_limit:
-            over = format_bytes(row.over_limit)
-            if short:
-                notes.append(f"{row.name}: {over} over its limit, shrinking\n")
-            else:
-                notes.append(
-                    f"{row.name} is {over} over its limit; it shrinks as its pages empty\n"
-                )
-    notes.rstrip()
-    return notes
-
-
-def unowned_note(key: str, totals: Totals) -> Text:
-    """The warning for bytes that free rows of a corrupted ledger hold."""
-    return Text(
-        f"warning: {format_bytes(totals.unowned)} of the reserved bytes belong to no "
-        f"instance (free rows of a corrupted ledger) and still count against the budget; "
-        f"'kvctl repair --key {key}' clears them",
-        style="yellow",
-    )
 
 
 def top_table(rows: list[InstanceRow], width: int) -> Table:
@@ -300,8 +195,6 @@ def kvtop(
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
 ) -> None:
     """Show used / reserved / limit of every instance on one device, refreshed live."""
-    from kvcached.kvctl import fail, open_ledger
-
     console = Console()
     with fail(), open_ledger(key, backend, device, ledger_dir) as ledger:
         if once:
