@@ -1,0 +1,154 @@
+"""Render the reference of kvcached's commands (kvcached, kvctl, kvtop) into docs/cli.md.
+
+The commands are found the way a shell finds them: through the console-script entry
+points of the installed kvcached distribution, so the page follows the modules wherever
+they live. Each entry point names a `main` function; the typer app is the module's
+`typer.Typer` (the attribute the entry point names when it is one, else the module's
+only `Typer`). `typer.main.get_command` turns it into the click command tree typer runs,
+and the page is written from that tree: each command's usage, help, arguments and
+options, with the same text, defaults and ranges `--help` prints. The page is
+generated: edit the commands' help or this script, never the Markdown.
+
+    python scripts/render_cli_reference.py [--out docs/cli.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from typing import Any
+
+import typer
+import typer.main
+
+ROOT = Path(__file__).resolve().parents[1]
+DISTRIBUTION = "kvcached"
+#: the installed commands, in the page's order
+SCRIPTS = ("kvcached", "kvctl", "kvtop")
+
+
+def entry_point(name: str) -> EntryPoint:
+    """The console-script entry point `name` of the kvcached distribution."""
+    found = [
+        ep
+        for ep in entry_points(group="console_scripts", name=name)
+        if ep.dist is None or ep.dist.name == DISTRIBUTION
+    ]
+    if not found:
+        raise LookupError(
+            f"no console script {name!r} of the {DISTRIBUTION} distribution is installed "
+            "(pip install -e . registers them)"
+        )
+    return found[0]
+
+
+def typer_app(ep: EntryPoint) -> typer.Typer:
+    """The typer app behind a console-script entry point."""
+    module = importlib.import_module(ep.module)
+    named = getattr(module, ep.attr, None) if ep.attr else None
+    if isinstance(named, typer.Typer):
+        return named
+    apps = [value for value in vars(module).values() if isinstance(value, typer.Typer)]
+    if len(apps) != 1:
+        raise LookupError(
+            f"entry point {ep.name} = {ep.value}: expected one typer.Typer in {ep.module}, "
+            f"found {len(apps)}"
+        )
+    return apps[0]
+
+
+def commands() -> list[tuple[str, Any]]:
+    """(script name, click command) of every script, in `SCRIPTS` order."""
+    return [(name, typer.main.get_command(typer_app(entry_point(name)))) for name in SCRIPTS]
+
+
+def _cell(text: str) -> str:
+    """Help text as one Markdown table cell: one line, no table or HTML breaks."""
+    text = " ".join(text.split())
+    return text.replace("|", "\\|").replace("<", "&lt;")
+
+
+def _help(command: Any) -> list[str]:
+    text = inspect.cleandoc(command.help or "")
+    return [text, ""] if text else []
+
+
+def _parameters(command: Any, ctx: Any) -> list[str]:
+    records = []
+    for param in command.params:
+        if getattr(param, "hidden", False):
+            continue
+        record = param.get_help_record(ctx)
+        if record is None:
+            continue
+        names, text = record
+        records.append(f"| `{' '.join(names.split())}` | {_cell(text)} |")
+    if not records:
+        return []
+    return ["| argument or option | what |", "|---|---|", *records, ""]
+
+
+def _usage(command: Any, ctx: Any) -> list[str]:
+    pieces = command.collect_usage_pieces(ctx)
+    return ["```", " ".join([ctx.command_path, *pieces]), "```", ""]
+
+
+def _subcommands(command: Any, ctx: Any) -> list[tuple[str, Any]]:
+    if not hasattr(command, "list_commands"):
+        return []
+    return [(name, command.get_command(ctx, name)) for name in command.list_commands(ctx)]
+
+
+def render_command(name: str, command: Any) -> list[str]:
+    """One script's section: its own help, then one subsection per subcommand."""
+    ctx = command.context_class(command, info_name=name)
+    out = [f"## {name}", ""]
+    subcommands = _subcommands(command, ctx)
+    if not subcommands:  # a single-command app: the script is the command
+        return out + _usage(command, ctx) + _help(command) + _parameters(command, ctx)
+    out += _help(command) + _parameters(command, ctx)
+    out += ["| command | what |", "|---|---|"]
+    for sub_name, sub in subcommands:
+        summary = inspect.cleandoc(sub.help or "").split("\n\n")[0]
+        anchor = f"{name}-{sub_name}"
+        out.append(f"| [`{name} {sub_name}`](#{anchor}) | {_cell(summary)} |")
+    out.append("")
+    for sub_name, sub in subcommands:
+        sub_ctx = sub.context_class(sub, info_name=sub_name, parent=ctx)
+        out += [f"### {name} {sub_name} {{#{name}-{sub_name}}}", ""]
+        out += _usage(sub, sub_ctx) + _help(sub) + _parameters(sub, sub_ctx)
+    return out
+
+
+def render() -> str:
+    """The page, from the installed commands."""
+    out = [
+        "# CLI reference",
+        "",
+        "<!-- generated by scripts/render_cli_reference.py from the installed commands; "
+        "do not edit -->",
+        "",
+        "Three commands come with the package: `kvcached` (what kvcached sees here, the "
+        "conformance suite, the demo, serving mlx-lm models), `kvctl` (read and change a "
+        "device's ledger) and `kvtop` (watch it live). Every command also takes `--help`, "
+        "which prints what this page says.",
+        "",
+    ]
+    for name, command in commands():
+        out += render_command(name, command)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "cli.md")
+    args = parser.parse_args(argv)
+    args.out.write_text(render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

