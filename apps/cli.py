@@ -208,20 +208,74 @@ def demo(
 
 @app.command("serve-mlx")
 def serve_mlx(
-    models: Annotated[list[str], typer.Argument(help="mlx-lm model folders, one per model.")],
+    models: Annotated[
+        list[str],
+        typer.Argument(
+            help="Models, each PATH or NAME=PATH: PATH a model folder or a Hugging Face repo "
+            "id found in the local HF cache (never downloaded)."
+        ),
+    ],
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to bind.")] = 8080,
     keep_alive: Annotated[
-        float, typer.Option(min=0, help="Seconds a model may idle before its weights unload.")
-    ] = 300.0,
+        str,
+        typer.Option(
+            help="How long an idle model stays loaded: seconds or 30s/5m/1h; negative: "
+            "always (a request's keep_alive overrides it for its model)."
+        ),
+    ] = "300",
     budget: Annotated[
         str | None, typer.Option(help="Device budget if this creates the ledger, e.g. 8GiB.")
     ] = None,
+    max_loaded_models: Annotated[
+        int, typer.Option(min=0, help="Most models loaded at once (0: as many as fit).")
+    ] = 0,
+    max_queue: Annotated[
+        int, typer.Option(min=1, help="Requests that may wait for one model; more get a 503.")
+    ] = 64,
+    queue_timeout: Annotated[
+        float, typer.Option(min=0, help="Seconds a request may wait before its 503.")
+    ] = 60.0,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="Default max_tokens (default: the context length left)."),
+    ] = None,
+    chat_template: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A Jinja chat template FILE for every model, or NAME=FILE for one; repeatable."
+        ),
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option(help="debug, info (one line per request), warning, error.")
+    ] = "info",
 ) -> None:
     """Serve several mlx-lm models behind one OpenAI-compatible endpoint, one budget."""
+    from kvcached.engines.mlx_lm.protocol import keep_alive_seconds
     from kvcached.engines.mlx_lm.serve import serve
 
-    serve(models, host=host, port=port, keep_alive_s=keep_alive, budget=budget)
+    try:
+        keep_alive_s = keep_alive_seconds(keep_alive)
+    except ValueError as exc:
+        raise InvalidArgument(f"--keep-alive: {exc}") from None
+    serve(
+        models, host=host, port=port, log_level=log_level, keep_alive_s=keep_alive_s,
+        budget=budget, max_loaded=max_loaded_models, max_queue=max_queue,
+        queue_timeout_s=queue_timeout, max_tokens=max_tokens,
+        chat_templates=chat_template or [],
+    )  # fmt: skip
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    folder: Annotated[str, typer.Argument(help="Where to write the model (created).")],
+    arch: Annotated[str, typer.Option(help="qwen3 or llama.")] = "qwen3",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a tiny random-weight mlx-lm model (no download) to try serve-mlx with."""
+    from kvcached.engines.mlx_lm.tiny import main
+
+    main([folder, "--arch", arch, "--seed", str(seed)])
 
 
 def _size(nbytes: int) -> str:

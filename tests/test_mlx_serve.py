@@ -134,7 +134,7 @@ def test_concurrent_streams_to_both_models_hold_kv_while_they_run(running: Runni
 def test_kvctl_lists_and_limits_the_model_rows(running: Running) -> None:
     from typer.testing import CliRunner
 
-    from kvcached.kvctl import app as kvctl
+    from kvcached.apps.kvctl import app as kvctl
 
     runner = CliRunner()
     listed = runner.invoke(kvctl, ["list", "--json", "--backend", "mlx"])
@@ -261,17 +261,19 @@ def test_streamed_text_equals_the_whole_text(running: Running) -> None:
 def test_a_character_split_across_tokens_streams_whole(model_dirs: list[str]) -> None:
     import mlx_lm
 
-    from kvcached.engines.mlx_lm.serve import _text_pieces
+    from kvcached.engines.mlx_lm.sampling import TokenStep
+    from kvcached.engines.mlx_lm.serve import _pieces
 
     _, tokenizer = mlx_lm.load(model_dirs[0])
     text = "naïve 日本 ok"
     tokens = list(tokenizer.encode(text))
     assert len(tokens) > len(text)  # byte-level: ï and 日本 span several tokens each
     reasons = [None] * (len(tokens) - 1) + ["length"]
-    pieces = list(_text_pieces(tokenizer, iter(zip(tokens, reasons, strict=True))))
-    assert "".join(piece for piece, _ in pieces) == text
-    assert all("\ufffd" not in piece for piece, _ in pieces)
-    assert pieces[-1][1] == "length"
+    steps = [TokenStep(t, r) for t, r in zip(tokens, reasons, strict=True)]
+    pieces = list(_pieces(tokenizer, iter(steps)))
+    assert "".join(piece.text for piece in pieces) == text
+    assert all("\ufffd" not in piece.text for piece in pieces)
+    assert pieces[-1].finish == "length"
 
 
 BAD_BODIES: list[tuple[str, Any, int, str | None]] = [

@@ -2,18 +2,39 @@
 
 One process, one HTTP endpoint (`/v1/models`, `/v1/completions`,
 `/v1/chat/completions`, streaming as server-sent events), dispatching on the request's
-`model`. Each model is one `KVPool`, so one ledger row (`serve-mlx/<model>`), shown by
-`kvctl list` and `kvtop` and bounded by `kvctl limit`; the row is charged the model's
-weights while they are loaded and each request's KV while it runs, so all models share
-the device budget. A request's KV is one run per layer sized to its prompt plus
-`max_tokens` and returned when it ends: an idle model holds no KV. A model idle longer
-than the keep-alive (`--keep-alive`, seconds; Ollama's idea) unloads its weights and
-reloads them on its next request.
+`model`; Ollama's habits beside it (`GET /api/ps`: what is loaded, its memory and
+expiry; `POST /api/unload {"model": NAME}`: unload now; `GET /health`). A model is
+`PATH` or `NAME=PATH`, PATH a folder or a Hugging Face repo id found offline in the HF
+cache (`sources.py`). Each model is one `KVPool`, so one ledger row
+(`serve-mlx/<name>`), shown by `kvctl list` and `kvtop` and bounded by `kvctl limit`;
+the row is charged the model's weights while they are loaded and each request's KV
+while it runs, so all models share the device budget. An idle model holds no KV. A
+model idle longer than its keep-alive (`--keep-alive`, or a request's `keep_alive`:
+seconds, 0 = unload when this request ends, negative = keep loaded; Ollama's idea)
+unloads its weights and reloads them on its next request.
 
-Errors are answers, never hangs: an unknown model is a 404 listing the models served; a
-model whose weights the budget cannot hold is refused at start-up (and a reload that
-no longer fits is a 503 naming the budget); a request whose KV the ledger refuses is a
-503 saying so, with nothing held.
+Note [making room]: models need not all fit at once. At start the models that fit are
+loaded, in the order given; the others load on their first request. A model that
+must load, and does not fit, unloads the least recently used idle models until it
+does (Ollama's behaviour; `--max-loaded-models` caps the count too). A request that
+cannot start yet (its model cannot load because the others are busy, or the budget
+refuses its KV while other requests run) waits in its model's queue, at most
+`--max-queue` requests per model and `--queue-timeout` seconds each; past either it is
+a 503 with `Retry-After`, never a hang. What could never fit (a model larger than the
+budget, KV larger than the row's limit, with nothing running that would free memory)
+is a 503 at once, naming the budget; nothing is held.
+
+Note [default max_tokens]: a request without `max_tokens` may generate up to the
+context length left after its prompt (`--max-tokens` lowers that default), as vLLM
+does, so no answer is cut short silently; it ends with finish_reason "length" only when
+that limit is reached. Its KV is reserved for the prompt plus `INITIAL_KV_TOKENS` and
+grows in 256-token runs; should the budget refuse a growth, the answer ends there (as
+"length", with a warning in the log). A request that gives `max_tokens` has all of it
+reserved up front, so it either runs to the end or is refused before it starts.
+
+Errors are answers, never hangs: an unknown model is a 404 listing the models served;
+bad bodies are 400s naming the field (`protocol.py`). Each request is one line of the
+log (model, status, prompt and generated tokens, seconds; `--log-level`).
 
 Why not `mlx_lm.server`: it keeps one resident model, swaps models per request, builds
 its own caches, and runs on the standard library's `http.server`. Here the HTTP layer
@@ -30,7 +51,8 @@ another model's step by one chunk, not by the whole prefill; a cancelled request
 client went away) or a server shutting down stops between chunks and between tokens.
 
 Each request samples from its own random key (`seed` when given: same seed, same
-text), since MLX's global random state starts from the same seed in every new thread.
+text), since MLX's global random state starts from the same seed in every new thread;
+sampling options, penalties, log-probabilities and stop strings are `sampling.py`'s.
 Text goes out through mlx-lm's streaming detokenizer (`tokenizer.detokenizer`), the
 same one for streamed and whole answers, so both carry the same text and a character
 split across tokens goes out once it is complete. Bodies are validated by
@@ -47,29 +69,48 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import datetime
 import functools
 import gc
 import json
 import logging
+import math
 import queue
-import secrets
 import sys
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcached.engines.mlx_lm.pool import KVPool
+from kvcached.engines.mlx_lm.cache import KVCacheExhausted
+from kvcached.engines.mlx_lm.pool import DEFAULT_STEP, KVPool
+from kvcached.engines.mlx_lm.sampling import (
+    Sampler,
+    SamplingOptions,
+    StopText,
+    TokenStep,
+    logits_processors,
+    read_logprobs,
+    token_bytes,
+)
 from kvcached.errors import InvalidArgument, KVCachedError, OutOfMemory
 
 log = logging.getLogger("kvcached.serve_mlx")
 
 DEFAULT_KEEP_ALIVE_S = 300.0
-DEFAULT_MAX_TOKENS = 256
+#: Requests that may wait for one model, and for how long (Note [making room]).
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
+#: What a 503 from a full queue or a wait that ran out tells the client to wait.
+RETRY_AFTER_S = 2
+#: KV reserved past the prompt when the request gives no max_tokens, and the default
+#: max_tokens of a model whose context length is unknown (Note [default max_tokens]).
+INITIAL_KV_TOKENS = DEFAULT_STEP
+FALLBACK_MAX_TOKENS = 4096
 #: Prompt tokens per prefill step (Note [one MLX lock]).
 DEFAULT_PREFILL_CHUNK = 512
 #: config.json keys that hold a model's context length, the first present wins.
@@ -133,6 +174,11 @@ class ShuttingDown(KVCachedError):
     """The server stopped while the request ran."""
 
 
+class ServerBusy(KVCachedError):
+    """A request's queue is full, or it waited past the queue timeout (a 503 with
+    Retry-After: it may succeed later)."""
+
+
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
@@ -174,33 +220,55 @@ def context_length(path: str) -> int | None:
 
 @dataclass
 class ServedModel:
-    """One model: its folder, its ledger row (pool), and its weights while loaded.
+    """One model: its source, its ledger row (pool), and its weights while loaded.
 
     `loaded` is what listings show: it turns false only once the weights' bytes are
-    refunded, and true only once they are charged."""
+    refunded, and true only once they are charged. `keep_alive_s` is how long it may
+    idle once its last request ends (`math.inf`: for ever, 0: not at all); a request's
+    `keep_alive` replaces it. `waiting` counts requests queued for it (Note [making
+    room])."""
 
     name: str
     path: str
     pool: KVPool
+    given: str = ""
     model: Any = None
     tokenizer: Any = None
     weight_bytes: int = 0
     loaded: bool = False
     context_length: int | None = None
+    chat_template: str | None = None
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     active: int = 0
+    waiting: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def ensure_loaded(self) -> None:
-        """Load the weights (charging them to the row) unless they are loaded."""
-        with self.lock:
-            self._load_locked()
+    @property
+    def disk_bytes(self) -> int:
+        """The weights' size on disk: what loading them will roughly charge."""
+        return sum(f.stat().st_size for f in Path(self.path).glob("*.safetensors"))
 
-    def acquire(self) -> None:
-        """Load if needed and count one running request, atomically: the keep-alive
-        reaper never unloads a model between its load and its use."""
+    @property
+    def expires_at(self) -> float | None:
+        """When (monotonic seconds) the idle model unloads; None: never. A model with
+        requests running expires `keep_alive_s` after now, as Ollama's `ps` shows."""
+        if self.model is None or math.isinf(self.keep_alive_s):
+            return None
+        return (time.monotonic() if self.active else self.last_used) + self.keep_alive_s
+
+    def ensure_loaded(self, make_room: MakeRoom | None = None) -> None:
+        """Load the weights (charging them to the row) unless they are loaded;
+        `make_room(model, nbytes)` frees the budget first when it would not hold them."""
         with self.lock:
-            self._load_locked()
+            self._load_locked(make_room)
+
+    def acquire(self, make_room: MakeRoom | None = None) -> None:
+        """Load if needed and count one running request, atomically: the keep-alive
+        reaper (or another model making room) never unloads a model between its load
+        and its use."""
+        with self.lock:
+            self._load_locked(make_room)
             self.active += 1
 
     def done(self) -> None:
@@ -208,35 +276,49 @@ class ServedModel:
             self.active -= 1
             self.last_used = time.monotonic()
 
-    def _load_locked(self) -> None:
+    def _load_locked(self, make_room: MakeRoom | None) -> None:
         if self.model is not None:
             return
         import mlx.core as mx
         import mlx_lm
         from mlx import utils
 
+        if make_room is not None:
+            make_room(self, self.disk_bytes)
         load: Any = mlx_lm.load
         flatten: Any = utils.tree_flatten
         with _MLX_LOCK:
             model, tokenizer = load(self.path)
             nbytes = sum(int(v.nbytes) for _, v in flatten(model.parameters()))
-        if not self.pool.account.try_charge(nbytes):
+        charged = self.pool.account.try_charge(nbytes)
+        if not charged and make_room is not None:
+            with contextlib.suppress(ModelDoesNotFit):
+                make_room(self, nbytes)
+                charged = self.pool.account.try_charge(nbytes)
+        if not charged:
             del model
             gc.collect()
             mx.clear_cache()
-            totals = self.pool.ledger.totals()
-            raise ModelDoesNotFit(
-                f"model {self.name!r} needs {nbytes} bytes of weights, but the budget "
-                f"has {totals.free} of {totals.budget} bytes free (raise "
-                "KVCACHED_BUDGET or `kvctl budget`, or the model's `kvctl limit`)"
-            )
+            raise ModelDoesNotFit(self._does_not_fit(nbytes))
         self.model, self.tokenizer, self.weight_bytes = model, tokenizer, nbytes
         self.loaded = True
+        log.info("loaded %s (%s of weights)", self.name, _size(nbytes))
 
-    def unload(self) -> bool:
+    def _does_not_fit(self, nbytes: int) -> str:
+        totals = self.pool.ledger.totals()
+        return (
+            f"model {self.name!r} needs {nbytes} bytes of weights, but the budget has "
+            f"{totals.free} of {totals.budget} bytes free (raise KVCACHED_BUDGET or "
+            "`kvctl budget`, or the model's `kvctl limit`)"
+        )
+
+    def unload(self, *, blocking: bool = True) -> bool:
         """Drop the weights if no request runs; True when they were dropped. In this
-        order: free them, refund them, then say unloaded."""
-        with self.lock:
+        order: free them, refund them, then say unloaded. Not `blocking`: False at once
+        when another thread holds the model (it is loading, or being acquired)."""
+        if not self.lock.acquire(blocking):
+            return False
+        try:
             if self.model is None or self.active:
                 return False
             import mlx.core as mx
@@ -247,90 +329,263 @@ class ServedModel:
             self.pool.account.refund(self.weight_bytes)
             self.weight_bytes = 0
             self.loaded = False
+        finally:
+            self.lock.release()
         release_free_memory()
+        log.info("unloaded %s", self.name)
         return True
 
 
-class Sampler:
-    """Picks each token of one request: greedy at temperature 0, else from the
-    temperature-scaled distribution with the request's own random key (from `seed`, or
-    fresh randomness), split at every token."""
+#: `make_room(model, nbytes)`: free the budget for `nbytes` more of `model`'s, or raise.
+MakeRoom = Callable[[ServedModel, int], None]
 
-    def __init__(self, temperature: float, seed: int | None) -> None:
-        import mlx.core as mx
 
-        self.temperature = temperature
-        self._key = mx.random.key(secrets.randbits(64) if seed is None else seed % 2**64)
+@dataclass(frozen=True)
+class Plan:
+    """What one request generates: its prompt, at most `max_tokens` tokens, into KV
+    sized for `capacity` tokens at first (it grows past that, Note [default
+    max_tokens]), picked by `sampling`, with `top_logprobs` alternatives reported per
+    token (None: no log-probabilities)."""
 
-    def __call__(self, logprobs: Any) -> Any:
-        import mlx.core as mx
-
-        if self.temperature == 0:
-            return mx.argmax(logprobs, axis=-1)
-        self._key, key = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1 / self.temperature), key=key)
+    prompt: list[int]
+    max_tokens: int
+    capacity: int
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    top_logprobs: int | None = None
 
 
 class MultiModelServer:
-    """The models, the keep-alive reaper, and the generation loop (no HTTP here)."""
+    """The models, making room, the queue, the keep-alive reaper and the generation loop
+    (no HTTP here).
+
+    Arguments:
+        models: `PATH` or `NAME=PATH` each (`sources.parse_source`).
+        keep_alive_s: seconds an idle model stays loaded (`math.inf`: for ever).
+        budget: the device budget, if this server creates the ledger.
+        preload: load at start the models that fit, in the order given.
+        prefill_chunk: prompt tokens per prefill step (Note [one MLX lock]).
+        max_queue: requests that may wait for one model (Note [making room]).
+        queue_timeout_s: how long a request may wait before its 503.
+        max_loaded: most models loaded at once (0: as many as the budget holds).
+        max_tokens: the default of a request that gives none (None: up to the
+            context length; Note [default max_tokens]).
+        chat_templates: Jinja files replacing the models' chat templates, `FILE` for
+            every model or `NAME=FILE` for one.
+        hf_cache: the Hugging Face cache repo ids are looked up in (None: the usual).
+    """
 
     def __init__(
         self,
-        paths: list[str],
+        models: Sequence[str],
         *,
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
         budget: str | None = None,
         preload: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        max_loaded: int = 0,
+        max_tokens: int | None = None,
+        chat_templates: Sequence[str] = (),
+        hf_cache: str | Path | None = None,
     ) -> None:
-        if not paths:
-            raise InvalidArgument("serve-mlx needs at least one model folder")
-        if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
-            raise InvalidArgument(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-        self.keep_alive_s = keep_alive_s
+        from kvcached.engines.mlx_lm.sources import parse_source
+
+        if not models:
+            raise InvalidArgument("serve-mlx needs at least one model (a folder or a repo id)")
+        for what, value in (("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"{what} must be a positive int, got {value!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
+            raise InvalidArgument(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if not isinstance(max_loaded, int) or max_loaded < 0:
+            raise InvalidArgument(f"max_loaded must be 0 or more, got {max_loaded!r}")
+        if queue_timeout_s < 0:
+            raise InvalidArgument(f"queue_timeout_s must be >= 0, got {queue_timeout_s!r}")
+        self.keep_alive_s = math.inf if keep_alive_s < 0 else keep_alive_s
         self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.max_loaded = max_loaded
+        self.max_tokens = max_tokens
         self.models: dict[str, ServedModel] = {}
+        self._aliases: dict[str, str] = {}
         self._stop = threading.Event()
+        self._changed = threading.Condition()  # a request ended, a model (un)loaded
         self._workers: set[threading.Thread] = set()
         try:
-            for path in paths:
-                name = Path(path).name
-                if not (Path(path) / "config.json").is_file():
-                    raise InvalidArgument(
-                        f"{path!r} is not an mlx-lm model folder (no config.json); pass "
-                        "local model folders"
-                    )
+            sources = [parse_source(spec, hf_cache) for spec in models]
+            templates = _read_templates(chat_templates, [s.name for s in sources])
+            for source in sources:
+                name = source.name
                 if name in self.models:
-                    raise InvalidArgument(f"two models are named {name!r}; rename a folder")
+                    raise InvalidArgument(f"two models are named {name!r}; name one with NAME=PATH")
                 # An existing ledger keeps its budget; the first row's open says so, once.
-                source = f"--budget {budget}" if budget is not None and not self.models else None
+                origin = f"--budget {budget}" if budget is not None and not self.models else None
                 pool = KVPool(
-                    f"serve-mlx/{name}", budget=budget, budget_source=source, engine="mlx-lm"
+                    f"serve-mlx/{name}", budget=budget, budget_source=origin, engine="mlx-lm"
                 )
                 self.models[name] = ServedModel(
-                    name, path, pool, context_length=context_length(path)
-                )
+                    name, str(source.path), pool, given=source.given,
+                    context_length=context_length(str(source.path)),
+                    chat_template=templates.get(name, templates.get(None)),
+                    keep_alive_s=self.keep_alive_s,
+                )  # fmt: skip
+                self._aliases[source.given] = name
             if preload:
-                for served in self.models.values():
-                    served.ensure_loaded()
+                self._preload()
         except BaseException:
             self.close()
             raise
         self._reaper = threading.Thread(target=self._reap, name="serve-mlx-keepalive", daemon=True)
         self._reaper.start()
 
+    def _preload(self) -> None:
+        """Load the models that fit, in order; the rest load on their first request. A
+        model that does not fit even alone is refused here, at start."""
+        for served in self.models.values():
+            loaded = [m for m in self.models.values() if m.model is not None]
+            if loaded and (
+                served.disk_bytes > served.pool.ledger.totals().free
+                or (self.max_loaded and len(loaded) >= self.max_loaded)
+            ):
+                log.info("%s loads on its first request (the budget holds the others)", served.name)
+                continue
+            try:
+                served.ensure_loaded()
+            except ModelDoesNotFit:
+                if not loaded:
+                    raise
+                log.info("%s loads on its first request (the budget holds the others)", served.name)
+
     def lookup(self, name: Any) -> ServedModel:
-        served = self.models.get(name) if isinstance(name, str) else None
+        served = None
+        if isinstance(name, str):
+            served = self.models.get(name) or self.models.get(self._aliases.get(name, ""))
         if served is None:
             raise LookupError(
                 f"model {name!r} is not served here; served models: {', '.join(self.models)}"
             )
         return served
 
-    def generate(
-        self, served: ServedModel, prompt: list[int], max_tokens: int, sampler: Sampler
-    ) -> Iterator[tuple[int, str | None]]:
-        """Yield (token, finish_reason or None) for one request; KV released at the end.
+    # ------------------------------------------------------------ making room
+    def make_room(self, served: ServedModel, nbytes: int) -> None:
+        """Free the budget for `nbytes` more of `served`'s (Note [making room]):
+        unload the least recently used idle models, else wait for a busy one to go
+        idle until the queue timeout. ModelDoesNotFit when it never can; ServerBusy when
+        the wait ran out."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        while True:
+            over_count = (
+                self.max_loaded
+                and served.model is None
+                and (sum(m.model is not None for m in self.models.values()) >= self.max_loaded)
+            )
+            if not over_count and nbytes <= self._room_for(served):
+                return
+            if self._unload_lru(except_=served):
+                continue
+            busy = [m for m in self.models.values() if m is not served and m.active]
+            if not busy:
+                if over_count:
+                    return  # nothing left to unload: the count cannot be kept
+                raise ModelDoesNotFit(served._does_not_fit(nbytes))
+            self._wait_for_change(deadline, f"{served.name!r} waits for {busy[0].name!r}")
+
+    def _room_for(self, served: ServedModel) -> int:
+        """Bytes `served`'s row may still charge: the device's free bytes, or less
+        under the row's own limit."""
+        free = served.pool.ledger.totals().free
+        limit = served.pool.account.limit
+        if limit is not None:
+            free = min(free, limit - served.weight_bytes - served.pool.held_bytes)
+        return free
+
+    def _limit_binds(self, served: ServedModel) -> bool:
+        """Whether the row's own limit, not the device budget, is what refuses: then
+        unloading other models cannot help it."""
+        limit = served.pool.account.limit
+        if limit is None:
+            return False
+        left = limit - served.weight_bytes - served.pool.held_bytes
+        return left <= served.pool.ledger.totals().free
+
+    def _unload_lru(self, except_: ServedModel) -> bool:
+        """Unload the least recently used idle model other than `except_`."""
+        idle = [
+            m for m in self.models.values() if m is not except_ and m.model is not None
+            and not m.active
+        ]  # fmt: skip
+        for victim in sorted(idle, key=lambda m: m.last_used):
+            if victim.unload(blocking=False):
+                log.info("unloaded %s to make room for %s", victim.name, except_.name)
+                self._notify()
+                return True
+        return False
+
+    def _wait_for_change(self, deadline: float, what: str) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or self._stop.is_set():
+            if self._stop.is_set():
+                raise ShuttingDown("the server is shutting down")
+            raise ServerBusy(
+                f"{what}: still waiting after the queue timeout ({self.queue_timeout_s:g} s)"
+            )
+        with self._changed:
+            self._changed.wait(min(left, 0.5))
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------- admission
+    def admit(
+        self,
+        served: ServedModel,
+        plan: Callable[[], Plan],
+        *,
+        keep_alive_s: float | None = None,
+    ) -> tuple[Plan, TokenStep, TokenStream]:
+        """Start one request: load its model, make its Plan with `plan()` (which needs
+        the tokenizer), and return the Plan, the first token and the rest (Note [making
+        room]). It waits in `served`'s queue while the model cannot load or its KV
+        cannot be charged yet. ServerBusy (a 503 with Retry-After) when the queue is
+        full or the wait runs out; ModelDoesNotFit or KVCacheExhausted when it can
+        never fit; ShuttingDown when the server stops first; what `plan()` raises."""
+        if keep_alive_s is not None:  # before it runs: a short request may end at once
+            served.keep_alive_s = keep_alive_s
+        with self._changed:
+            if served.waiting >= self.max_queue:
+                raise ServerBusy(
+                    f"{served.waiting} requests already wait for model {served.name!r} "
+                    f"(the queue holds {self.max_queue})"
+                )
+            served.waiting += 1
+        try:
+            deadline = time.monotonic() + self.queue_timeout_s
+            served.ensure_loaded(self.make_room)
+            made = plan()
+            while True:
+                tokens = self.generate(served, made)
+                try:
+                    first = next(tokens)
+                except KVCacheExhausted:
+                    tokens.close()
+                    if not self._limit_binds(served) and self._unload_lru(except_=served):
+                        continue
+                    if not any(m.active for m in self.models.values()):
+                        raise  # nothing running would free anything: it never fits
+                    self._wait_for_change(deadline, f"the KV of a {served.name!r} request")
+                    continue
+                except StopIteration:
+                    raise ShuttingDown("the server is shutting down") from None
+                return made, first, tokens
+        finally:
+            with self._changed:
+                served.waiting -= 1
+
+    def generate(self, served: ServedModel, plan: Plan) -> TokenStream:
+        """Yield the request's TokenSteps; its KV is released at the end.
 
         The request runs in a thread of its own from start to end: mlx-lm's generator
         enters an MLX stream context, which must be left in the thread that entered
@@ -338,17 +593,25 @@ class MultiModelServer:
         Raises ShuttingDown when the server stops first."""
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
-        served.acquire()
-        out: queue.Queue[tuple[int, str | None] | BaseException | None] = queue.Queue(16)
+        served.acquire(self.make_room)
+        out: queue.Queue[TokenStep | BaseException | None] = queue.Queue(16)
         cancelled = threading.Event()
         worker = threading.Thread(
             target=self._run_request,
-            args=(served, prompt, max_tokens, sampler, out, cancelled),
+            args=(served, plan, out, cancelled),
             name=f"serve-mlx-{served.name}",
             daemon=True,
         )
         self._workers.add(worker)
         worker.start()
+        return TokenStream(self._drain(worker, out, cancelled), cancelled)
+
+    def _drain(
+        self,
+        worker: threading.Thread,
+        out: queue.Queue[TokenStep | BaseException | None],
+        cancelled: threading.Event,
+    ) -> Iterator[TokenStep]:
         try:
             while True:
                 item = out.get()
@@ -369,10 +632,8 @@ class MultiModelServer:
     def _run_request(
         self,
         served: ServedModel,
-        prompt: list[int],
-        max_tokens: int,
-        sampler: Sampler,
-        out: queue.Queue[tuple[int, str | None] | BaseException | None],
+        plan: Plan,
+        out: queue.Queue[TokenStep | BaseException | None],
         cancelled: threading.Event,
     ) -> None:
         import mlx.core as mx
@@ -383,31 +644,45 @@ class MultiModelServer:
                 raise ShuttingDown("the server is shutting down")
             return cancelled.is_set()
 
-        cache = served.pool.make_cache(served.model, capacity=len(prompt) + max_tokens)
+        cache = served.pool.make_cache(served.model, capacity=plan.capacity)
         steps: Any = None
+        emitted = 0
         try:
-            tokens = mx.array(prompt)
+            tokens = mx.array(plan.prompt)
             if self._prefill(served, tokens[:-1], cache, stopped):
                 eos = set(getattr(served.tokenizer, "eos_token_ids", []) or [])
                 steps = generate_step(
-                    tokens[-1:], served.model, prompt_cache=cache, max_tokens=max_tokens,
-                    sampler=sampler,
+                    tokens[-1:], served.model, prompt_cache=cache, max_tokens=plan.max_tokens,
+                    sampler=Sampler(plan.sampling),
+                    logits_processors=logits_processors(plan.sampling, plan.prompt),
                 )  # fmt: skip
-                for count in range(1, max_tokens + 1):
-                    if stopped():
-                        break
+                while emitted < plan.max_tokens and not stopped():
                     with _MLX_LOCK:
                         item = next(steps, None)
-                    if item is None:
+                        if item is None:
+                            break
+                        token = int(item[0])
+                        logprob: float | None = None
+                        top: tuple[tuple[int, float], ...] = ()
+                        if plan.top_logprobs is not None:
+                            logprob, top = read_logprobs(item[1], token, plan.top_logprobs)
+                    emitted += 1
+                    finish = "stop" if token in eos else None
+                    if finish is None and emitted == plan.max_tokens:
+                        finish = "length"
+                    if not _put(out, TokenStep(token, finish, logprob, top), cancelled):
                         break
-                    token = int(item[0])
-                    if token in eos:
-                        out.put((token, "stop"))
+                    if finish is not None:
                         break
-                    out.put((token, "length" if count == max_tokens else None))
-            out.put(None)
+            _put(out, None, cancelled)
+        except KVCacheExhausted as exc:
+            if not emitted:
+                _put(out, exc, cancelled)  # refused before any token: it may wait, retry
+            else:  # Note [default max_tokens]: the answer ends here, as "length"
+                log.warning("%s: a request's KV could not grow (%s); it ends", served.name, exc)
+                _put(out, None, cancelled)
         except BaseException as exc:
-            out.put(exc)
+            _put(out, exc, cancelled)
         finally:
             if steps is not None:
                 steps.close()  # leaves its MLX stream context in this thread
@@ -416,6 +691,9 @@ class MultiModelServer:
                 del cache
                 mx.clear_cache()
             served.done()
+            if served.keep_alive_s == 0:
+                served.unload()
+            self._notify()
 
     def _prefill(
         self, served: ServedModel, tokens: Any, cache: list[Any], stopped: Callable[[], bool]
@@ -435,18 +713,38 @@ class MultiModelServer:
                 mx.clear_cache()
         return True
 
+    def unload_now(self, served: ServedModel) -> str:
+        """`POST /api/unload`: "unloaded" now, "not_loaded", or "after_requests" (it
+        unloads when the requests running on it end)."""
+        if served.model is None:
+            return "not_loaded"
+        if served.unload():
+            self._notify()
+            return "unloaded"
+        served.keep_alive_s = 0.0
+        if served.unload():  # its last request ended meanwhile
+            self._notify()
+            return "unloaded"
+        return "after_requests"
+
     def _reap(self) -> None:
         while not self._stop.wait(min(1.0, max(self.keep_alive_s / 4, 0.05))):
             now = time.monotonic()
             for served in self.models.values():
-                idle = served.model is not None and not served.active
-                if idle and now - served.last_used >= self.keep_alive_s:
-                    served.unload()
+                expires = served.expires_at
+                idle = expires is not None and not served.active and now >= expires
+                if idle and served.unload(blocking=False):
+                    self._notify()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def stop(self) -> None:
         """Stop generating: running requests end at their next chunk or token with
         ShuttingDown, new ones are refused. `close` calls it; so does a Ctrl-C."""
         self._stop.set()
+        self._notify()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop, wait for running requests to end, unload and drop every row."""
@@ -459,7 +757,90 @@ class MultiModelServer:
             served.pool.close()
 
 
+class TokenStream(Iterator[TokenStep]):
+    """A running request's tokens. `close()` (from the thread that reads it) ends the
+    request and waits for its worker; `cancel()`, from any thread, asks the worker to
+    stop at its next token without waiting (a client that went away mid-stream)."""
+
+    def __init__(self, steps: Iterator[TokenStep], cancelled: threading.Event) -> None:
+        self._steps = steps
+        self._cancelled = cancelled
+
+    def __next__(self) -> TokenStep:
+        return next(self._steps)
+
+    def close(self) -> None:
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
+def _put(
+    out: queue.Queue[TokenStep | BaseException | None],
+    item: TokenStep | BaseException | None,
+    cancelled: threading.Event,
+) -> bool:
+    """Hand `item` to the reader; False (dropped) once the request is cancelled, so a
+    reader that stopped reading never leaves the worker (and its model) busy."""
+    while not cancelled.is_set():
+        try:
+            out.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    with contextlib.suppress(queue.Full):
+        out.put_nowait(None)  # wakes a reader still waiting
+    return False
+
+
+def _read_templates(specs: Sequence[str], names: list[str]) -> dict[str | None, str]:
+    """`--chat-template` values: `FILE` (every model; key None) or `NAME=FILE`."""
+    templates: dict[str | None, str] = {}
+    for spec in specs:
+        head, sep, tail = spec.partition("=")
+        name, file = (head, tail) if sep and head in names else (None, spec)
+        if sep and head not in names and not Path(spec).exists():
+            raise InvalidArgument(
+                f"--chat-template {spec!r}: no model is named {head!r} (served: "
+                f"{', '.join(names)}) and no file is named {spec!r}"
+            )
+        try:
+            templates[name] = Path(file).expanduser().read_text()
+        except OSError as exc:
+            what = f"--chat-template {spec!r}: cannot read {file!r}: {exc}"
+            raise InvalidArgument(what) from None
+    return templates
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
 # ---------------------------------------------------------------------- HTTP
+class PromptRefused(ValueError):
+    """The prompt cannot be made into tokens (the chat template refused the messages)."""
+
+
+class ContextTooLong(PromptRefused):
+    """The prompt (and max_tokens) do not fit the model's context length."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text that may go out now, the tokens it came from, and the finish reason once
+    the answer ends (None before)."""
+
+    text: str
+    steps: tuple[TokenStep, ...]
+    finish: str | None = None
+
+
 def _error(
     status: int,
     message: str,
@@ -467,31 +848,41 @@ def _error(
     *,
     param: str | None = None,
     code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Any:
     from starlette.responses import JSONResponse
 
     from kvcached.engines.mlx_lm.protocol import error_body
 
-    return JSONResponse(error_body(message, kind, param=param, code=code), status_code=status)
+    body = error_body(message, kind, param=param, code=code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _unavailable(exc: KVCachedError) -> Any:
-    """A 503: the budget refused (weights or KV), or the server is stopping."""
+    """A 503: the server is stopping, busy past its queue (with Retry-After), or the
+    budget refused (weights or KV) with nothing running that could free it."""
+    if isinstance(exc, ServerBusy):
+        return _error(503, str(exc), "server_error", code="server_busy",
+                      headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     code = "shutting_down" if isinstance(exc, ShuttingDown) else "insufficient_budget"
     return _error(503, str(exc), "server_error", code=code)
 
 
-def _sse(events: Iterator[dict[str, Any]]) -> Iterator[str]:
-    for event in events:
-        yield f"data: {json.dumps(event)}\n\n"
-    yield "data: [DONE]\n\n"
+def _log_request(
+    route: str, model: str, status: int, prompt: int, generated: int, started: float
+) -> None:
+    """The request log: one line per request, at INFO."""
+    log.info(
+        "%s model=%s status=%d prompt_tokens=%d gen_tokens=%d %.2fs",
+        route, model, status, prompt, generated, time.monotonic() - started,
+    )  # fmt: skip
 
 
 def build_app(server: MultiModelServer) -> Any:
     """The Starlette application over `server`."""
     from pydantic import ValidationError
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
+    from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
@@ -500,8 +891,22 @@ def build_app(server: MultiModelServer) -> Any:
     from kvcached.engines.mlx_lm.protocol import (
         ChatRequest,
         CompletionRequest,
+        UnloadRequest,
         validation_error_body,
     )
+
+    async def read_body(request: Request, schema: Any) -> Any:
+        """The validated body, or the 400 answering it."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        try:
+            return schema.model_validate(body)
+        except ValidationError as exc:
+            return JSONResponse(validation_error_body(exc), status_code=400)
 
     async def models(_: Request) -> Any:
         data = [
@@ -511,84 +916,91 @@ def build_app(server: MultiModelServer) -> Any:
         return JSONResponse({"object": "list", "data": data})
 
     async def complete(request: Request, chat: bool) -> Any:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        try:
-            req = (ChatRequest if chat else CompletionRequest).model_validate(body)
-        except ValidationError as exc:
-            return JSONResponse(validation_error_body(exc), status_code=400)
+        started = time.monotonic()
+        route = f"POST {request.url.path}"
+        req = await read_body(request, ChatRequest if chat else CompletionRequest)
+        if not isinstance(req, ChatRequest | CompletionRequest):
+            _log_request(route, "-", req.status_code, 0, 0, started)
+            return req
         try:
             served = server.lookup(req.model)
         except LookupError as exc:
+            _log_request(route, req.model, 404, 0, 0, started)
             return _error(404, str(exc), param="model", code="model_not_found")
+
+        def plan() -> Plan:
+            return _plan(server, served, req)
+
         try:
-            await run_in_threadpool(served.ensure_loaded)
-        except ModelDoesNotFit as exc:
-            return _unavailable(exc)
-        try:
-            prompt = _prompt_tokens(served, req)
+            made, first, tokens = await run_in_threadpool(
+                server.admit, served, plan, keep_alive_s=req.keep_alive
+            )
         except PromptRefused as exc:
-            return _error(400, str(exc), param="messages" if chat else "prompt")
-        asked = req.max_tokens
-        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-            asked = req.max_completion_tokens
-        max_tokens = _max_tokens(served, len(prompt), asked)
-        if isinstance(max_tokens, str):
-            return _error(400, max_tokens, param="messages" if chat else "prompt",
-                          code="context_length_exceeded")  # fmt: skip
+            _log_request(route, served.name, 400, 0, 0, started)
+            code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
+            return _error(400, str(exc), param="messages" if chat else "prompt", code=code)
+        except KVCachedError as exc:  # busy, stopping, or a budget that cannot hold it
+            _log_request(route, served.name, 503, 0, 0, started)
+            return _unavailable(exc)
+        prompt_tokens = len(made.prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        sampler = Sampler(req.temperature or 0.0, req.seed)
-        try:
-            tokens = server.generate(served, prompt, max_tokens, sampler)
-        except ShuttingDown as exc:
-            return _unavailable(exc)
+        answer = _Answer(served, rid, chat, req.top_logprobs_asked(), prompt_tokens)
+        steps = _chain([first], tokens)
         if req.stream:
-            first = await run_in_threadpool(_first, tokens)
-            if isinstance(first, KVCachedError):
-                return _unavailable(first)
-            events = _stream_events(served, rid, chat, first, tokens)
-            return StreamingResponse(_sse(events), media_type="text/event-stream")
+            usage = req.stream_options is not None and req.stream_options.include_usage
+
+            async def events() -> AsyncIterator[str]:
+                pieces = _pieces(served.tokenizer, steps, req.stop, safe=True)
+                try:
+                    async for chunk in iterate_in_threadpool(_sse(answer.stream(pieces, usage))):
+                        yield chunk
+                finally:  # the end, or the client went away (the task is cancelled)
+                    tokens.cancel()
+                    _log_request(route, served.name, 200, prompt_tokens, answer.generated, started)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
         try:
-            generated = await run_in_threadpool(list, tokens)
-        except (OutOfMemory, ShuttingDown) as exc:  # KV refused, a reload that no longer fits
+            pieces = await run_in_threadpool(list, _pieces(served.tokenizer, steps, req.stop))
+        except (OutOfMemory, ShuttingDown) as exc:  # a reload that no longer fits, a stop
+            _log_request(route, served.name, 503, prompt_tokens, 0, started)
             return _unavailable(exc)
-        ids = [t for t, _ in generated]
-        reason = generated[-1][1] if generated else "length"
-        detokenizer = served.tokenizer.detokenizer
-        for token, why in generated:
-            if why != "stop":
-                detokenizer.add_token(token)
-        detokenizer.finalize()
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(ids),
-            "total_tokens": len(prompt) + len(ids),
-        }
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason or "length"}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": detokenizer.text}
-        else:
-            choice["text"] = detokenizer.text
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": served.name,
-                "choices": [choice],
-                "usage": usage,
-            }
-        )
+        body = answer.whole(pieces)
+        _log_request(route, served.name, 200, prompt_tokens, answer.generated, started)
+        return JSONResponse(body)
 
     async def completions(request: Request) -> Any:
         return await complete(request, chat=False)
 
     async def chat_completions(request: Request) -> Any:
         return await complete(request, chat=True)
+
+    async def ps(_: Request) -> Any:
+        """What is loaded, its memory and its expiry, in the shape of Ollama's
+        `/api/ps`."""
+        listed = [_ps_row(s) for s in server.models.values() if s.loaded]
+        return JSONResponse({"models": listed})
+
+    async def unload(request: Request) -> Any:
+        started = time.monotonic()
+        req = await read_body(request, UnloadRequest)
+        if not isinstance(req, UnloadRequest):
+            return req
+        try:
+            served = server.lookup(req.model)
+        except LookupError as exc:
+            return _error(404, str(exc), param="model", code="model_not_found")
+        status = await run_in_threadpool(server.unload_now, served)
+        _log_request("POST /api/unload", served.name, 200, 0, 0, started)
+        return JSONResponse({"model": served.name, "status": status})
+
+    async def health(_: Request) -> Any:
+        stopping = server.stopping
+        body = {
+            "status": "shutting_down" if stopping else "ok",
+            "models": len(server.models),
+            "loaded": sum(s.loaded for s in server.models.values()),
+        }
+        return JSONResponse(body, status_code=503 if stopping else 200)
 
     async def http_error(_: Request, exc: Exception) -> Any:
         assert isinstance(exc, HTTPException)
@@ -605,6 +1017,9 @@ def build_app(server: MultiModelServer) -> Any:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/api/ps", ps, methods=["GET"]),
+            Route("/api/unload", unload, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
@@ -612,17 +1027,43 @@ def build_app(server: MultiModelServer) -> Any:
     return app
 
 
-class PromptRefused(ValueError):
-    """The prompt cannot be made into tokens (the chat template refused the messages)."""
+def _sse(events: Iterator[dict[str, Any]]) -> Iterator[str]:
+    for event in events:
+        yield f"data: {json.dumps(event)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
-def _first(tokens: Iterator[tuple[int, str | None]]) -> Any:
-    """The first token, or the OutOfMemory / ShuttingDown that stopped it (before any
-    byte is sent)."""
+def _chain(head: list[TokenStep], tail: Iterator[TokenStep]) -> Iterator[TokenStep]:
+    """`head` then `tail`; closing it closes `tail` (which ends the request)."""
     try:
-        return next(tokens, None)
-    except KVCachedError as exc:
-        return exc
+        yield from head
+        yield from tail
+    finally:
+        close = getattr(tail, "close", None)
+        if close is not None:
+            close()
+
+
+def _plan(server: MultiModelServer, served: ServedModel, req: Any) -> Plan:
+    """The request's Plan: its prompt's tokens, how many to generate, its sampling."""
+    from kvcached.engines.mlx_lm.protocol import ChatRequest
+
+    prompt = _prompt_tokens(served, req)
+    asked = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        asked = req.max_completion_tokens
+    max_tokens, capacity = _max_tokens(served, len(prompt), asked, server.max_tokens)
+    sampling = SamplingOptions(
+        temperature=req.temperature or 0.0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+    )
+    return Plan(prompt, max_tokens, capacity, sampling, req.top_logprobs_asked())
 
 
 def _prompt_tokens(served: ServedModel, req: Any) -> list[int]:
@@ -635,7 +1076,14 @@ def _prompt_tokens(served: ServedModel, req: Any) -> list[int]:
 
     messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
     try:
-        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if served.chat_template is not None:  # --chat-template: Hugging Face's renderer
+            hf = getattr(tokenizer, "_tokenizer", tokenizer)
+            tokens = list(hf.apply_chat_template(
+                messages, chat_template=served.chat_template, add_generation_prompt=True,
+                tokenize=True, return_dict=False,
+            ))  # fmt: skip
+        else:
+            tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     except (TemplateError, ValueError, TypeError) as exc:
         raise PromptRefused(f"the model's chat template refused the messages: {exc}") from None
     if not tokens:
@@ -643,106 +1091,246 @@ def _prompt_tokens(served: ServedModel, req: Any) -> list[int]:
     return tokens
 
 
-def _max_tokens(served: ServedModel, prompt_tokens: int, asked: int | None) -> int | str:
-    """The tokens to generate: `asked`, else the default, within the context length;
-    a message saying why when the prompt (and `asked`) do not fit."""
+def _max_tokens(
+    served: ServedModel, prompt_tokens: int, asked: int | None, default: int | None
+) -> tuple[int, int]:
+    """(max_tokens, KV capacity to reserve) for a request (Note [default max_tokens]);
+    ContextTooLong when the prompt (and `asked`) do not fit the context length."""
     limit = served.context_length
-    if limit is None:
-        return DEFAULT_MAX_TOKENS if asked is None else asked
-    if asked is None:
-        if prompt_tokens < limit:
-            return min(DEFAULT_MAX_TOKENS, limit - prompt_tokens)
-        asked = 1
-    if prompt_tokens + asked <= limit:
-        return asked
-    return (
-        f"model {served.name!r} has a context length of {limit} tokens, but "
-        f"{prompt_tokens + asked} were requested ({prompt_tokens} of prompt, {asked} to "
-        "generate): shorten the prompt or lower max_tokens"
-    )
+    if asked is not None:
+        if limit is not None and prompt_tokens + asked > limit:
+            raise ContextTooLong(
+                f"model {served.name!r} has a context length of {limit} tokens, but "
+                f"{prompt_tokens + asked} were requested ({prompt_tokens} of prompt, {asked} "
+                "to generate): shorten the prompt or lower max_tokens"
+            )
+        return asked, prompt_tokens + asked
+    if limit is not None and prompt_tokens >= limit:
+        raise ContextTooLong(
+            f"model {served.name!r} has a context length of {limit} tokens, and the prompt "
+            f"has {prompt_tokens}: no room is left to generate; shorten the prompt"
+        )
+    left = FALLBACK_MAX_TOKENS if limit is None else limit - prompt_tokens
+    max_tokens = left if default is None else min(default, left)
+    return max_tokens, prompt_tokens + min(max_tokens, INITIAL_KV_TOKENS)
 
 
-def _stream_events(
-    served: ServedModel,
-    rid: str,
-    chat: bool,
-    first: tuple[int, str | None] | None,
-    tokens: Iterator[tuple[int, str | None]],
-) -> Iterator[dict[str, Any]]:
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
+def _pieces(
+    tokenizer: Any, steps: Iterator[TokenStep], stop: Sequence[str] = (), *, safe: bool = False
+) -> Iterator[Piece]:
+    """The answer as Pieces, one per token, through the tokenizer's streaming
+    detokenizer (a character split across tokens goes out whole, once complete) and
+    `StopText` (text ends before the first stop string, which is not shown); the last
+    Piece carries the finish reason and whatever was held back. `safe`: an error after
+    the first token ends the answer (a stream cannot turn into an error answer)."""
+    detokenizer = tokenizer.detokenizer
+    cut = StopText(stop)
+    iterator = iter(steps)
+    try:
+        while True:
+            try:
+                step = next(iterator, None)
+            except KVCachedError:
+                if not safe:
+                    raise
+                step = None
+            if step is None:  # ended without a finish: cancelled, or its KV ran out
+                detokenizer.finalize()
+                text = cut.feed(detokenizer.last_segment)
+                yield Piece(text + cut.flush(), (), "stop" if cut.stopped else "length")
+                return
+            if step.finish != "stop":
+                detokenizer.add_token(step.token)
+            if step.finish is not None:
+                detokenizer.finalize()
+            text = cut.feed(detokenizer.last_segment)
+            if cut.stopped:
+                yield Piece(text, (step,), "stop")
+                return
+            if step.finish is not None:
+                yield Piece(text + cut.flush(), (step,), step.finish)
+                return
+            yield Piece(text, (step,))
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()  # a stop string ended it: the request stops generating
 
-    def event(text: str, reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-        if chat:
-            choice["delta"] = {"content": text} if text else {}
+
+class _Answer:
+    """One request's answer in OpenAI's shapes, whole or as stream chunks."""
+
+    def __init__(
+        self, served: ServedModel, rid: str, chat: bool, top_logprobs: int | None, prompt: int
+    ) -> None:
+        self.served, self.rid, self.chat = served, rid, chat
+        self.top_logprobs = top_logprobs
+        self.prompt_tokens = prompt
+        self.generated = 0
+        self.created = int(time.time())
+        self._offset = 0  # text_offset of the next token (completions' logprobs)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated,
+                "total_tokens": self.prompt_tokens + self.generated}  # fmt: skip
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.served.name}  # fmt: skip
+
+    def whole(self, pieces: list[Piece]) -> dict[str, Any]:
+        steps = [s for p in pieces for s in p.steps]
+        self.generated = len(steps)
+        text = "".join(p.text for p in pieces)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": pieces[-1].finish or "length"}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {"id": rid, "object": kind, "created": created, "model": served.name,
-                "choices": [choice]}  # fmt: skip
+        choice["logprobs"] = self._logprobs(steps)
+        return {**self._head(False), "choices": [choice], "usage": self.usage()}
 
-    if chat:
-        yield {**event("", None), "choices": [{"index": 0, "delta": {"role": "assistant"},
-                                               "finish_reason": None}]}  # fmt: skip
-    items = [] if first is None else [first]
-    pieces = _text_pieces(served.tokenizer, _chain(items, tokens))
-    for piece, reason in pieces:
-        yield event(piece, reason)
-        if reason is not None:
-            return
+    def stream(self, pieces: Iterator[Piece], include_usage: bool) -> Iterator[dict[str, Any]]:
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
+        if self.chat:
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            yield {**self._head(True), "choices": [choice], **extra}
+        for piece in pieces:
+            self.generated += len(piece.steps)
+            if not piece.text and piece.finish is None and self.top_logprobs is None:
+                continue  # held back (half a character, a possible stop string)
+            choice = {"index": 0, "finish_reason": piece.finish}
+            if self.chat:
+                choice["delta"] = {"content": piece.text} if piece.text else {}
+            else:
+                choice["text"] = piece.text
+            choice["logprobs"] = self._logprobs(list(piece.steps))
+            yield {**self._head(True), "choices": [choice], **extra}
+        if include_usage:
+            yield {**self._head(True), "choices": [], "usage": self.usage()}
+
+    def _logprobs(self, steps: list[TokenStep]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for `steps`: completions' parallel lists (with
+        `text_offset`), or chat's `content` list of tokens with their bytes."""
+        if self.top_logprobs is None:
+            return None
+        tokenizer = self.served.tokenizer
+
+        def entry(token: int, logprob: float | None) -> dict[str, Any]:
+            raw = token_bytes(tokenizer, token)
+            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob,
+                    "bytes": list(raw)}  # fmt: skip
+
+        if self.chat:
+            content = [
+                {**entry(s.token, s.logprob),
+                 "top_logprobs": [entry(t, lp) for t, lp in s.top]}
+                for s in steps
+            ]  # fmt: skip
+            return {"content": content, "refusal": None}
+        texts = [token_bytes(tokenizer, s.token).decode("utf-8", "replace") for s in steps]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        tops = [
+            {token_bytes(tokenizer, t).decode("utf-8", "replace"): lp for t, lp in s.top}
+            for s in steps
+        ]
+        return {
+            "tokens": texts,
+            "token_logprobs": [s.logprob for s in steps],
+            "top_logprobs": tops if self.top_logprobs else None,
+            "text_offset": offsets,
+        }
 
 
-def _text_pieces(
-    tokenizer: Any, tokens: Iterator[tuple[int, str | None]]
-) -> Iterator[tuple[str, str | None]]:
-    """(new text, finish_reason) per token, through the tokenizer's streaming
-    detokenizer: a character split across tokens goes out whole, once complete; the
-    last piece (a finish reason, or the end) carries what was held back."""
-    detokenizer = tokenizer.detokenizer
-    reason: str | None = None
-    for token, reason in tokens:
-        if reason != "stop":
-            detokenizer.add_token(token)
-        if reason is None:
-            yield detokenizer.last_segment, None
-        else:
-            break
-    detokenizer.finalize()
-    yield detokenizer.last_segment, reason or "length"
+def _ps_row(served: ServedModel) -> dict[str, Any]:
+    """One loaded model, as Ollama's `ps` lists it (plus what kvcached knows)."""
+    kv = served.pool.held_bytes
+    expires = served.expires_at
+    when = None
+    if expires is not None:
+        wall = time.time() + (expires - time.monotonic())
+        when = datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat()
+    return {
+        "name": served.name,
+        "model": served.given or served.name,
+        "path": served.path,
+        "size": served.weight_bytes + kv,
+        "size_vram": served.weight_bytes + kv,  # unified memory: all of it
+        "weight_bytes": served.weight_bytes,
+        "kv_bytes": kv,
+        "context_length": served.context_length,
+        "active": served.active,
+        "queued": served.waiting,
+        "keep_alive": -1 if math.isinf(served.keep_alive_s) else served.keep_alive_s,
+        "expires_at": when,
+    }
 
 
-def _chain(
-    head: list[tuple[int, str | None]], tail: Iterator[tuple[int, str | None]]
-) -> Iterator[tuple[int, str | None]]:
-    yield from head
-    try:
-        yield from tail
-    except KVCachedError:
-        return
+def banner(server: MultiModelServer, url: str) -> str:
+    """What `serve` prints once it listens: where, and which models (loaded or not)."""
+    totals = next(iter(server.models.values())).pool.ledger.totals()
+    lines = [
+        f"kvcached serve-mlx: OpenAI API on {url}/v1 (Ollama-style /api/ps, /api/unload; /health)",
+        f"budget {_size(totals.budget)} on ledger mlx-0, {_size(totals.free)} free "
+        "(kvctl list --backend mlx)",
+    ]
+    width = max(len(name) for name in server.models)
+    for name, served in server.models.items():
+        state = f"loaded, {_size(served.weight_bytes)}" if served.loaded else "loads on demand"
+        context = f", context {served.context_length}" if served.context_length else ""
+        lines.append(f"  {name:<{width}}  {served.path}  ({state}{context})")
+    first = next(iter(server.models))
+    lines.append(
+        f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{first}", "messages": [{{"role": "user", "content": "hi"}}], '
+        f'"max_tokens": 32}}\''
+    )
+    return "\n".join(lines)
 
 
 def serve(
-    paths: list[str],
+    models: Sequence[str],
     *,
     host: str = "127.0.0.1",
     port: int = 8080,
-    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
-    budget: str | None = None,
+    log_level: str = "info",
+    **options: Any,
 ) -> None:
-    """Run the server until interrupted (the `kvcached serve-mlx` command). The first
-    Ctrl-C stops generation at once (between prefill chunks and tokens), so uvicorn's
-    wait for open connections is short."""
+    """Run the server until interrupted (the `kvcached serve-mlx` command); `options`
+    are MultiModelServer's. The first Ctrl-C stops generation at once (between prefill
+    chunks and tokens), so uvicorn's wait for open connections is short."""
     import uvicorn
 
-    server = MultiModelServer(paths, keep_alive_s=keep_alive_s, budget=budget)
+    level = log_level.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise InvalidArgument(
+            f"log level {log_level!r}; choose from debug, info, warning, error, critical"
+        )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvcached").setLevel(level)
+    server = MultiModelServer(models, **options)
 
     class Uvicorn(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             server.stop()
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                shown = f"[{host}]" if ":" in host else host
+                print(banner(server, f"http://{shown}:{port}"), flush=True)
+
     try:
-        config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning")
+        config = uvicorn.Config(
+            build_app(server), host=host, port=port, log_level=log_level.lower(),
+            access_log=False,  # the request log (`_log_request`) says more
+        )  # fmt: skip
         Uvicorn(config).run()
     finally:
         server.close()

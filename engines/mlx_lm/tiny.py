@@ -4,7 +4,8 @@ No model can be downloaded where kvcached is tested, so tests, benchmarks and a 
 owner's validation runs build their own: a Qwen3 or Llama of a few layers with random
 weights (seeded), saved as an mlx-lm model folder that `mlx_lm.load(folder)` reads.
 Random weights make greedy tokens exactly comparable between two caches; they say
-nothing about quality.
+nothing about quality. To make one to try `serve-mlx` with:
+`kvcached make-tiny-model DIR` (or `python -m kvcached.engines.mlx_lm.tiny DIR`).
 """
 
 from __future__ import annotations
@@ -114,3 +115,26 @@ def build_model(
     (path / "config.json").write_text(json.dumps(config, indent=1))
     build_tokenizer(path, config["vocab_size"])
     return path
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """`python -m kvcached.engines.mlx_lm.tiny DIR [--arch qwen3|llama] [--seed N]`:
+    write a tiny random model to DIR (no download) and say how to serve it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcached.engines.mlx_lm.tiny",
+        description="Write a tiny random-weight mlx-lm model (a few MB, no download).",
+    )
+    parser.add_argument("folder", help="where to write it (created)")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_model(args.folder, args.arch, seed=args.seed)
+    print(f"wrote a tiny random {args.arch} model to {path} (random weights: text is noise)")
+    print(f"serve it: kvcached serve-mlx {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
