@@ -974,3 +974,35 @@ def test_a_full_ledger_says_how_to_free_a_row(ledger: Ledger) -> None:
     message = str(full.value)
     assert "Close an instance" in message and "kvctl forget NAME" in message
     assert "kvctl list --key host-cpu" in message
+
+
+# ------------------------------------------- charge and refund: what mutation testing found
+def test_a_bad_charge_or_refund_amount_says_what_is_accepted(ledger: Ledger) -> None:
+    account = ledger.register("amounts", "test")
+    with pytest.raises(InvalidArgument, match=r"charge must be a non-negative int, got -1"):
+        account.try_charge(-1)
+    with pytest.raises(InvalidArgument, match=r"refund must be a non-negative int, got 1\.5"):
+        account.refund(1.5)  # type: ignore[arg-type]
+
+
+def test_an_over_refund_names_both_amounts_and_changes_nothing(ledger: Ledger) -> None:
+    account = ledger.register("over", "test")
+    assert account.try_charge(10)
+    with pytest.raises(InvalidArgument, match=r"refund of 12 bytes is more than the 10 bytes"):
+        account.refund(12)
+    assert account.reserved == 10
+    ledger.forget("over", force=True)  # the row is lost: this process's own count is checked
+    with pytest.raises(InvalidArgument, match=r"refund of 11 bytes is more than the 10 bytes"):
+        account.refund(11)
+
+
+def test_a_lost_row_keeps_counting_from_what_its_refunds_left(ledger: Ledger) -> None:
+    account = ledger.register("counted", "test")
+    assert account.try_charge(100)
+    account.refund(30)
+    ledger.forget("counted", force=True)
+    account.refund(0)  # the next touch finds the row gone
+    assert account.lost
+    assert account.reserved == 70  # the row's last figure, kept by the refund
+    account.refund(70)
+    assert account.reserved == 0

@@ -144,6 +144,17 @@ def test_a_ledger_that_shrank_is_never_touched_again_and_its_account_keeps_count
     ledger.close()
 
 
+def test_a_refund_that_finds_the_ledger_shrunk_keeps_the_row_its_own(ledger: Ledger) -> None:
+    account = ledger.register("refunding", "test")
+    assert account.try_charge(8 * MiB)
+    os.truncate(ledger.path, HEADER_SIZE + ROW_SIZE // 2)
+    account.refund(3 * MiB)  # the first touch since the file shrank is this refund
+    assert not account.lost  # damaged is not lost: the row was not taken from it
+    assert account.reserved == 5 * MiB
+    account.close()
+    ledger.close()
+
+
 def test_a_ledger_cut_short_while_open_is_caught_by_kvctl_too(ledger: Ledger) -> None:
     ledger.register("victim", "test")
     os.truncate(ledger.path, 100)
