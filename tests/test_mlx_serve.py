@@ -20,9 +20,9 @@ pytest.importorskip("uvicorn")
 
 import httpx
 import openai
-import uvicorn
+from mlx_serving import Running, tiny_models, wait_for
 
-from kvcached.engines.mlx_lm.serve import ModelDoesNotFit, MultiModelServer, build_app
+from kvcached.engines.mlx_lm.serve import ModelDoesNotFit, MultiModelServer
 from kvcached.engines.mlx_lm.tiny import build_model
 from kvcached.errors import InvalidArgument
 from kvcached.ledger import Ledger
@@ -30,47 +30,7 @@ from kvcached.ledger import Ledger
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    root = tmp_path_factory.mktemp("models")
-    return [
-        str(build_model(root / "alpha", "qwen3", seed=1)),
-        str(build_model(root / "beta", "llama", seed=2)),
-    ]
-
-
-@pytest.fixture
-def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
-    return tmp_path
-
-
-class Running:
-    """A MultiModelServer behind uvicorn on an ephemeral port of 127.0.0.1."""
-
-    def __init__(self, server: MultiModelServer) -> None:
-        self.server = server
-        config = uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="error")
-        self.http = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.http.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.http.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        port = self.http.servers[0].sockets[0].getsockname()[1]
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-
-    def rows(self) -> dict[str, Any]:
-        pool = next(iter(self.server.models.values())).pool
-        ledger = Ledger.open(pool.ledger.key)
-        try:
-            return {r.name: r for r in ledger.rows()}
-        finally:
-            ledger.close()
-
-    def stop(self) -> None:
-        self.http.should_exit = True
-        self.thread.join(timeout=30)
-        self.server.close()
+    return tiny_models(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture
@@ -78,13 +38,6 @@ def running(model_dirs: list[str], ledger_dir: Path) -> Iterator[Running]:
     instance = Running(MultiModelServer(model_dirs, keep_alive_s=3600, budget="1GiB"))
     yield instance
     instance.stop()
-
-
-def wait_for(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_models_are_listed_and_each_is_a_ledger_row(running: Running) -> None:
