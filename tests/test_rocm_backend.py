@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import rocm_harness as harness  # tests/rocm, on sys.path through pytest's pythonpath
 
 from kvcached.backends.rocm import RocmBackend, bindings, detect
+from kvcached.backends.rocm.backend import ADDRESS_ATTEMPTS
 from kvcached.errors import BackendUnavailable, DriverError, OutOfMemory
 
 standin = harness.standin
@@ -332,15 +334,17 @@ def test_a_requested_address_not_granted_is_a_driver_error_and_loses_nothing(
         b.view(r, 0, (G,), "uint8").fill_(0x77)
         before = standin.stats(device)
         pieces = b.describe()["hip_reservations"]
-        standin.miss_requested_addresses(device, 1)  # someone takes the range once
+        # someone holds the range through every try
+        standin.miss_requested_addresses(device, ADDRESS_ATTEMPTS)
         with pytest.raises(DriverError, match="requested address not granted") as caught:
             b.map(r, 4 * G, page)
         message = str(caught.value)
         assert caught.value.api == "hipMemAddressReserve"
         assert f"[{r.address + 4 * G:#x}, {r.address + 6 * G:#x})" in message
+        assert f"{ADDRESS_ATTEMPTS} tries" in message
         assert "Nothing was mapped" in message and "as it was before" in message
         after = standin.stats(device)
-        assert after.address_misses == before.address_misses + 1
+        assert after.address_misses == before.address_misses + ADDRESS_ATTEMPTS
         assert (after.reservations, after.mappings) == (before.reservations, before.mappings)
         assert b.describe()["hip_reservations"] == pieces
         assert page.mapped_count == 0 and r.mappings() == [(0, keep)]
@@ -351,6 +355,33 @@ def test_a_requested_address_not_granted_is_a_driver_error_and_loses_nothing(
         assert standin.stats(device).reservations == before.reservations - pieces
     with RocmBackend(release_workaround=False) as observer:
         assert observer.mem_info()[0] == free_start
+
+
+def test_a_range_taken_for_a_moment_is_asked_for_again_and_the_map_succeeds(
+    device: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (CI, test_concurrent_map_unmap_from_threads): another thread's
+    allocation took a range in the moment the workaround had it unreserved, and the map
+    failed although the taker let go a moment later."""
+    with backend_on(monkeypatch, bug_release="1") as b:
+        r = b.reserve(16 * G)
+        keep, page = b.create(G), b.create(2 * G)
+        b.map(r, 0, keep)
+        before = standin.stats(device)
+        standin.miss_requested_addresses(device, ADDRESS_ATTEMPTS - 1)  # all but the last
+        b.map(r, 4 * G, page)
+        assert standin.stats(device).address_misses == before.address_misses + ADDRESS_ATTEMPTS - 1
+        b.view(r, 4 * G, (2 * G,), "uint8").fill_(3)
+        assert set(b.view(r, 4 * G, (2 * G,), "uint8").unique().tolist()) == {3}
+        standin.miss_requested_addresses(device, ADDRESS_ATTEMPTS - 1)  # the unmap's too
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # recycled at its address: nothing to warn of
+            b.unmap(r, 4 * G, 2 * G)
+        assert r.mappings() == [(0, keep)]
+        b.unmap(r, 0, G)
+        b.free(r)
+        b.release(keep)
+        b.release(page)
 
 
 def test_a_range_that_cannot_be_reserved_again_is_reported_and_retried(

@@ -46,7 +46,9 @@ What is shaped by ROCm rather than by the API (docs/backends/rocm.md has the sou
   unmapped under a running kernel. Every re-reservation asks for its address and checks
   that it got it: ROCr grants a requested range that is free and otherwise quietly
   reserves elsewhere (returning success), so a miss (something else in the process, a
-  hipMalloc or any mmap, took the range in the moment it was free) is given back, the
+  hipMalloc or any mmap, took the range in the moment it was free) is given back and
+  asked for again a few times (Note [a range taken for a moment]); one that persists,
+  the
   previous pieces are reserved again, and the map fails with a DriverError that says
   so; nothing is ever mapped at an address other than the one asked for, and a range
   that could not be had back is retried by the next map over it. `_va_lock` covers
@@ -82,6 +84,7 @@ import bisect
 import contextlib
 import importlib.util
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -105,6 +108,16 @@ HIP_ERROR_OUT_OF_MEMORY = 2
 
 #: Granules of the allocation that probes for the release bug at start (64 MiB at 2 MiB).
 RELEASE_PROBE_GRANULES = 32
+
+# Note [a range taken for a moment]: with the release workaround, a range of ours is
+# unreserved for a moment while it is freed and reserved again, and anything else in the
+# process that maps memory then (another thread's large malloc, a temporary array) may be
+# placed there: Linux hands out the highest free gap first, and a hole just made inside a
+# reservation of ours often is that gap. Such takers are mostly short-lived, so a miss is
+# asked for again a few times, backing off from 1 ms (about 30 ms in all), before it
+# counts; a range held longer than that is a DriverError, as before, and loses nothing.
+ADDRESS_ATTEMPTS = 6
+ADDRESS_RETRY_S = 0.001
 
 Span = tuple[int, int]  # (address, nbytes)
 
@@ -609,23 +622,36 @@ class RocmBackend(Backend):
         made: list[Span] = []
         failure: str | None = None
         for start, size in spans:
-            try:
-                pointer = self._call("hipMemAddressReserve", size, self._granularity, start, 0)
-            except KVCachedError as exc:
-                failure = failure or f"asked for [{start:#x}, {start + size:#x}): {exc}"
-            else:
-                got = bindings.address(pointer)
-                if got == start:
-                    made.append((start, size))
-                    continue
-                self._free_quietly([(got, size)])
-                failure = failure or (
-                    f"asked for [{start:#x}, {start + size:#x}) and was given {got:#x} "
-                    "(the range was taken meanwhile)"
-                )
+            problem = self._reserve_exactly(start, size)
+            if problem is None:
+                made.append((start, size))
+                continue
+            failure = failure or problem
             if not keep_going:
                 break
         return made, failure
+
+    def _reserve_exactly(self, start: int, size: int) -> str | None:
+        """Reserve [start, start + size) there, or say why not. See Note [a range taken
+        for a moment]: a range granted elsewhere is given back and asked for again, up
+        to `ADDRESS_ATTEMPTS` times over about 30 ms, before the miss counts."""
+        missed = ""
+        for attempt in range(ADDRESS_ATTEMPTS):
+            if attempt:
+                time.sleep(ADDRESS_RETRY_S * (1 << (attempt - 1)))
+            try:
+                pointer = self._call("hipMemAddressReserve", size, self._granularity, start, 0)
+            except KVCachedError as exc:
+                return f"asked for [{start:#x}, {start + size:#x}): {exc}"
+            got = bindings.address(pointer)
+            if got == start:
+                return None
+            self._free_quietly([(got, size)])
+            missed = missed or f"{got:#x}"
+        return (
+            f"asked for [{start:#x}, {start + size:#x}) and was given {missed} "
+            f"(the range was taken meanwhile; {ADDRESS_ATTEMPTS} tries)"
+        )
 
     def _free_quietly(self, spans: Sequence[Span]) -> None:
         for start, size in spans:
