@@ -3,7 +3,7 @@
 What runs. `--instances` vLLM OpenAI servers (`vllm.entrypoints.openai.api_server`,
 the module `vllm serve` runs) on 127.0.0.1, each with ENABLE_KVCACHED=1 on the host
 backend, all charged to one ledger in a temporary folder whose budget is `--budget`.
-They serve a tiny random-weight Qwen3 built locally (`kvcached.random_model`) into a
+They serve a tiny random-weight Qwen3 built locally (`kvcached.testing.random_model`) into a
 cache folder, so nothing is downloaded. The load is the synthetic demo's
 (`kvcached.apps.demo.BurstyLoad`): bursts phase-shifted so that one instance is busy while
 the others idle; every request is a streamed completion through the `openai` client,
@@ -51,7 +51,7 @@ from kvcached.apps.demo import (
     plot_modes,
     timed_requests,
 )
-from kvcached.random_model import TINY
+from kvcached.testing.random_model import TINY
 
 MiB = 1 << 20
 WAIT_THRESHOLD_S = 0.5  # a request "waited" when it spent longer in vLLM's queue
@@ -468,7 +468,7 @@ def run_vllm_demo(config: VllmDemoConfig, *, out: Path) -> list[dict[str, Any]]:
     """Both modes, the comparison table, the plot; returns the JSON summaries."""
     from rich.console import Console
 
-    from kvcached.random_model import make_random_model
+    from kvcached.testing.random_model import make_random_model
 
     console = Console()
     folder = config.model_dir or default_model_dir()

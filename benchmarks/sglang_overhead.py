@@ -16,9 +16,10 @@ Steps, each printed as JSON lines and written to OUT_DIR/sglang_overhead.jsonl:
 4. `pressure`: the kvcached instance's ledger limit is lowered to `--pressure-limit`
    (`Ledger.set_limit`, what `kvctl limit` does), so the batch no longer fits and SGLang
    queues and retracts; its checksum must still equal the baseline's.
-5. `corrupt`: the adapter's debug hook (KVCACHED_SGLANG_DEBUG_CORRUPT_KV, a trigger
-   file) rotates every mapped KV page while the engine is idle; the next batch reads
-   corrupted cached prefixes and its checksum must differ (the comparison can fail).
+5. `corrupt`: the test-only SGLang plugin
+   tests/sglang_engine/plugins/kvcached_corrupt_kv.py (put on the path here, armed by
+   its trigger file) rotates every mapped KV page while the engine is idle; the next
+   batch reads corrupted cached prefixes and its checksum must differ (the comparison can fail).
 
 A step that fails prints its traceback and a JSON line {"step": ..., "error": ...}; the
 later steps still run where they can. The ledger's view of the kvcached instance is
@@ -46,7 +47,11 @@ from pathlib import Path
 from typing import Any
 
 INSTANCE = "sglang-overhead-kvcached"
-CORRUPT_ENV = "KVCACHED_SGLANG_DEBUG_CORRUPT_KV"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "sglang_engine" / "plugins"))
+import kvcached_corrupt_kv  # noqa: E402  (the test-only corrupting plugin; not in kvcached)
+
+CORRUPT_ENV = kvcached_corrupt_kv.CORRUPT_ENV
 
 for _key, _value in {
     "HF_HUB_OFFLINE": "1",
@@ -163,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     trigger.unlink(missing_ok=True)
 
     from sglang.srt.entrypoints.engine import Engine
+
+    kvcached_corrupt_kv.activate()  # the spawned schedulers find the plugin too
 
     def start(side: str) -> Any:
         env = {

@@ -82,9 +82,9 @@ def rank_main(rank: int, rendezvous: str, rounds: int, iterations: int) -> None:
     )
     capacity = found.capacity
     plain = requests_broadcast(group, leader)
-    from kvcached.engines.sglang import lifecycle
+    from kvcached import supply
 
-    lifecycle.BUSY_CHECK_S = 1e9  # no upkeep decisions: the channel alone is measured
+    supply.CHECK_S = 1e9  # no upkeep decisions: the channel alone is measured
 
     def one(mode: str) -> float:
         started = time.perf_counter()

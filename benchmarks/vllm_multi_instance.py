@@ -406,7 +406,7 @@ def main() -> None:
     if a.eager is None:
         a.eager = a.device == "cpu"
     if a.model is None:
-        from kvcached.random_model import make_random_model
+        from kvcached.testing.random_model import make_random_model
 
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         a.model = str(make_random_model(cache / "kvcached" / "tiny-qwen3"))

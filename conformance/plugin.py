@@ -6,7 +6,6 @@ installed; it only adds the option and two fixtures, and changes nothing else.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,8 +26,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _backend_class(config: pytest.Config) -> type[Backend]:
     from kvcached.registry import backend_class, resolve_name
 
-    name = config.getoption("--kvcached-backend") or os.environ.get("KVCACHED_BACKEND")
-    return backend_class(resolve_name(name))
+    # without the option, resolve_name reads KVCACHED_BACKEND through kvcached.config
+    return backend_class(resolve_name(config.getoption("--kvcached-backend")))
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ one switch they share, cheap enough to call before anything else is imported.
 
 from __future__ import annotations
 
-import os
-
-_TRUE = ("1", "true", "yes", "on")
+from kvcached.config import engines_enabled
 
 
 def enabled() -> bool:
-    """ENABLE_KVCACHED is set (1, true, yes or on): the engine plugins act."""
-    return os.environ.get("ENABLE_KVCACHED", "").strip().lower() in _TRUE
+    """ENABLE_KVCACHED is set (1, true, yes or on): the engine plugins act
+    (`kvcached.config.engines_enabled`, where every variable is read)."""
+    return engines_enabled()

@@ -5,6 +5,12 @@ and refunds them if creation fails or when pages are released. In a single proce
 that account can be a plain counter; across processes it is a row of the shared
 ledger (`kvcached.ledger`), so co-located instances never race each other into a
 driver out-of-memory.
+
+Every account also tells its budget's `headroom`: what the device budget could still
+charge to anyone now. It is what an engine's free count adds to what is mapped (the
+allocator's `obtainable_blocks`) and what says the budget is under pressure (the
+elastic supply gives cached memory back, `kvcached.supply`). An account whose budget
+is unbounded answers None.
 """
 
 from __future__ import annotations
@@ -33,4 +39,11 @@ class BudgetAccount(Protocol):
     def limit(self) -> int | None:
         """This instance's current limit in bytes (None: only the budget bounds it).
         It may change at any time (kvctl limit); the allocator follows it."""
+        ...
+
+    def headroom(self) -> int | None:
+        """Bytes the device budget could still charge to any instance now (None: the
+        budget is unbounded). A snapshot for planning, never a promise: another
+        instance may charge them a moment later, and this instance's own limit is not
+        included (that is `limit`)."""
         ...

@@ -11,11 +11,14 @@ maps more memory when it runs out. Nothing here knows about engines or devices: 
 are ints, memory is the `Backend` seam, and the budget is a `BudgetAccount`.
 
 Why extents. A driver charges per physical handle, not per byte, and a handle can only
-be mapped whole (`cuMemMap` takes no offset into a handle). On an H200, creating,
-mapping and granting access to one handle costs ~60 us whether it holds 2 MiB or
-64 MiB. The per-layer layout needs one handle per segment for every growth step, so a
-36-layer model (72 segments) growing 1 GiB in 2 MiB pages pays for 576 handles, ~27 ms,
-often on the engine's critical path. So capacity grows in *extents*: a run of
+be mapped whole (`cuMemMap` takes no offset into a handle). On an H200, growing by
+one handle (create, map, grant access, and the allocator's bookkeeping) costs 51-58 us through this
+allocator whether it holds 2 MiB or 64 MiB, of which 37 us (2 MiB) to 42 us (64 MiB)
+are the driver calls (benchmarks/results/h200-2026-11-30/grow_shrink_cuda.jsonl and
+vmm_ops_cuda.jsonl; docs/allocator.md). The per-layer layout needs one handle per
+segment for every growth step, so a 36-layer model (72 segments) growing 1.125 GiB in
+2 MiB pages pays for 576 handles, 29-31 ms in that file, often on the engine's
+critical path. So capacity grows in *extents*: a run of
 consecutive page ids backed, in each segment, by one physical page of
 `npages * page_bytes`, mapped with one `map_many` per layer reservation. In 32 MiB
 extents that model grows 2.25 GiB for 72 handles, ~4.4 ms; in 64 MiB extents 4.5 GiB
@@ -25,15 +28,16 @@ layer); only the unit of growth and release is large. The extent size is
 Near a limit, or when the budget or the device refuses a full extent, an extent is
 halved until it fits (down to one page id), so an instance can use its whole allowance.
 
-Why release per extent. A handle cannot be released in part, and a mapping can only be
-unmapped whole. Giving back memory finer than an extent would mean re-mapping its live
-pages onto smaller handles and copying their bytes while kernels may be reading them,
-which needs the engine's cooperation. Instead an extent is released once every page id
-in it is empty, and allocation is arranged so that extents do empty: partly used pages
-are filled first (the one with the fewest free blocks), and a fresh page is opened at
-the lowest page id, so live blocks pack into the low extents while the high ones drain;
-empty extents are released highest first. Shrinking is therefore per extent, and a
-smaller extent size trades growth cost for release granularity.
+Note [Release per extent]. A handle cannot be released in part, and a mapping can only
+be unmapped whole. Giving back memory finer than an extent would mean re-mapping its
+live pages onto smaller handles and copying their bytes while kernels may be reading
+them, which needs the engine's cooperation. Instead an extent is released once every
+page id in it is empty, and allocation is arranged so that extents do empty: partly used
+pages are filled first (the one with the fewest free blocks), and a fresh page is opened
+at the lowest page id, so live blocks pack into the low extents while the high ones
+drain (Note [Filling pages] in page_book.py); empty extents are released highest first.
+Shrinking is therefore per extent, and a smaller extent size trades growth cost for
+release granularity.
 
 The pool. Fully free page ids of mapped extents are the pool. A background thread keeps
 it between two watermarks (`KVCACHED_POOL_LOW` / `KVCACHED_POOL_HIGH`, in bytes,
@@ -51,27 +55,23 @@ once, without a traceback, and retried like a refill that failed. The threads st
 interpreter exit before the accounts they charge are closed
 (`_stop_pool_threads_at_exit`).
 
-Fast path. Per page id: a list of its free block ids. Single-block allocs pop from a
-*current* page until it is full; the next current page is the partly used one with the
-fewest free blocks (partly used pages sit in buckets by free-block count, with a bitmask
-of non-empty buckets, so that is the lowest set bit), else the lowest fresh page id (a
-min-heap). A single-block alloc or free is a handful of Python operations under one
-lock (explicit acquire/release: cheaper than `with`); a batch works page by page (a
-1,000-block free sorts the ids and splits them by page with bisect), so its cost grows
-with the pages touched more than with the blocks. The ids handed out are kept in a set,
-so freeing a block that is not allocated is an `InvalidArgument` that changes nothing.
-When the pool is warm, alloc makes no driver call.
+Fast path. Which blocks are free, which page is filled next and which extents are
+empty is the `PageBook` (kvcached/page_book.py, Note [Filling pages] and Note [Page
+book invariants]): a data structure with no driver, no lock and no thread, which this
+allocator calls under its lock. A single-block alloc or free is one call into it under
+one lock (explicit acquire/release: cheaper than `with`), a handful of Python
+operations. When the pool is warm, alloc makes no driver call.
 
-Locking. One lock guards the allocator's state and is never held across a driver call
-or an account call. Growth claims a range of page ids and the bytes it will charge
-(`inflight`) under the lock, then charges the account, creates and maps outside it,
-then commits under the lock. Release claims an empty extent under the lock (its pages
-leave every free structure, so no block can be handed out of it); outside it, it waits
-for the device (`Backend.synchronize`: a kernel in flight may still touch a block the
-engine has just freed, and an unmap does not wait for it), then unmaps, releases and
-refunds. Several threads may grow at once into different ranges; a thread that needs
-blocks which an in-flight growth will bring waits for it on a condition instead of
-growing twice.
+Note [Allocator locking]. One lock guards the allocator's state and is never held across
+a driver call or an account call. Growth claims a range of page ids and the bytes it
+will charge (`inflight`) under the lock, then charges the account, creates and maps
+outside it, then commits under the lock. Release claims an empty extent under the lock
+(its pages leave every free structure, so no block can be handed out of it); outside it,
+it waits for the device (`Backend.synchronize`: a kernel in flight may still touch a
+block the engine has just freed, and an unmap does not wait for it), then unmaps,
+releases and refunds. Several threads may grow at once into different ranges; a thread
+that needs blocks which an in-flight growth will bring waits for it on a condition
+instead of growing twice.
 
 Accounting and limits. Bytes are charged to the account before pages are created and
 refunded if creating or mapping fails (an `OutOfMemory` from the backend becomes
@@ -89,34 +89,29 @@ or the device cannot supply the blocks, so the engine can preempt and retry.
 from __future__ import annotations
 
 import atexit
-import heapq
 import logging
 import operator
-import os
 import threading
 import time
 import weakref
-from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvcached import forksafe
 from kvcached.accounting import BudgetAccount
 from kvcached.backend import Page, Reservation
 from kvcached.config import check_extent_bytes, check_release_delay
 from kvcached.errors import InvalidArgument, KVCachedError, OutOfMemory
 from kvcached.layout import KVGroup
 from kvcached.lifetime import Closeable
+from kvcached.page_book import Extent, PageBook
 
 log = logging.getLogger("kvcached.allocator")
 
 #: After the pool could not be refilled (limit, budget or device full), the background
 #: thread waits this long before it tries again (an alloc that needs memory still tries).
 REFILL_RETRY_S = 0.5
-
-#: The free list of every unmapped page id. Never mutated: the fast path only touches
-#: pages of mapped extents (a block id is only accepted if it is in the used set).
-_UNMAPPED: list[int] = []
 
 
 def _check_bytes(what: str, nbytes: object, *, optional: bool = False) -> int | None:
@@ -153,20 +148,17 @@ def _pool_settings() -> tuple[int, int, int, float]:
 
 #: Every allocator alive in this process, so that a forked child can disown them.
 _live_allocators: weakref.WeakSet[PageAllocator] = weakref.WeakSet()
-_pid_before_fork = os.getpid()
 
 
-def _remember_pid() -> None:
-    global _pid_before_fork
-    _pid_before_fork = os.getpid()
-
-
-def _disown_allocators_in_child() -> None:
+def _disown_allocators_in_child(parent: int) -> None:
     for allocator in list(_live_allocators):
-        allocator._disown_after_fork(_pid_before_fork)
+        allocator._disown_after_fork(parent)
 
 
-os.register_at_fork(before=_remember_pid, after_in_child=_disown_allocators_in_child)
+# after the ledger's and the backends' hooks (Note [fork hook order] in forksafe.py)
+forksafe.register(
+    "kvcached.allocator", forksafe.Stage.ALLOCATORS, after_in_child=_disown_allocators_in_child
+)
 
 #: How long interpreter exit waits for a pool thread in the middle of a round.
 EXIT_JOIN_S = 5.0
@@ -241,6 +233,10 @@ class LocalAccount:
     def set_used(self, nbytes: int) -> None:
         self._used = nbytes
 
+    def headroom(self) -> int | None:
+        budget = self._budget
+        return None if budget.total is None else max(0, budget.total - budget._charged)
+
     @property
     def limit(self) -> int | None:
         return self._limit
@@ -280,22 +276,6 @@ class AllocatorStats:
     used_bytes: int  # used_blocks in bytes, over all segments
     limit: int | None  # the allocator's own limit (the account's may be lower)
     floor: int  # bytes `resize` asked to keep mapped
-
-
-class _Extent:
-    """Page ids [start, start + npages) backed by one physical page per segment."""
-
-    __slots__ = ("draining", "nonempty", "npages", "pages", "start")
-
-    def __init__(self, start: int, npages: int, pages: list[Page]) -> None:
-        self.start = start
-        self.npages = npages
-        self.pages = pages  # in the order of group.reservations, flattened
-        self.nonempty = 0  # page ids holding at least one used block
-        self.draining = False  # over the limit: hand nothing out, release once empty
-
-
-_NO_EXTENT = _Extent(-1, 0, [])  # the extent of every unmapped page id (never mutated)
 
 
 def _as_block_id(block: Any) -> int:
@@ -390,22 +370,15 @@ class PageAllocator(Closeable):
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        # per page id
-        self._free_lists: list[list[int]] = [_UNMAPPED] * group.num_pages
-        self._page_ext: list[_Extent] = [_NO_EXTENT] * group.num_pages
-        # partly used pages of active extents, by free-block count, and which are non-empty
-        self._buckets: list[dict[int, None]] = [{} for _ in range(self._bpp)]
-        self._mask = 0
-        self._empty: list[int] = []  # min-heap of fully free pages of active extents
-        # The page single allocs pop from, in no bucket and not in the heap, and counted
-        # as non-empty in its extent while current; -1 and _UNMAPPED when there is none.
-        self._current = -1
-        self._current_list: list[int] = _UNMAPPED
-        self._used: set[int] = set()
-        self._available = 0  # free blocks in active (not draining) extents
-        self._capacity = 0  # blocks in mapped page ids
-        self._extents: dict[int, _Extent] = {}
-        self._holes: list[list[int]] = [[0, group.num_pages]]  # unmapped [start, length]
+        self._wake = threading.Event()
+        # which blocks are free or used, page by page and extent by extent (under _lock)
+        self._book = PageBook(
+            group.num_pages,
+            self._bpp,
+            low_pages=self._low_pages,
+            high_pages=self._high_pages,
+            signal=self._wake.set,
+        )
         self._reserved = 0  # bytes charged for committed extents (and ones being released)
         self._releasing = 0  # part of _reserved being unmapped and refunded
         self._inflight = 0  # bytes claimed by growth not yet committed
@@ -418,7 +391,6 @@ class PageAllocator(Closeable):
         self._forked_from: int | None = None  # the parent's pid, in a forked child
         self.last_error: BaseException | None = None  # last failure of the background thread
 
-        self._wake = threading.Event()
         self._poll_interval = float(poll_interval)
         self._release_delay = float(release_delay)
         self._over_high_since: float | None = None  # when the pool went above pool_high
@@ -448,10 +420,8 @@ class PageAllocator(Closeable):
         self._cond = threading.Condition(self._lock)
         self._wake = threading.Event()
         self._thread = None
-        self._current = -1
-        self._current_list = _UNMAPPED
-        self._available = 0
-        self._used = set()  # so that every free takes the path that raises
+        self._book.signal = self._wake.set
+        self._book.disown()  # so that every free takes the path that raises
 
     # =================================================================== fast path
     def alloc_one(self) -> int | None:
@@ -459,19 +429,11 @@ class PageAllocator(Closeable):
         lock = self._lock
         lock.acquire()
         try:
-            free_list = self._current_list
-            if free_list:
-                block = free_list.pop()
-                self._available -= 1
-                self._used.add(block)
-                return block
-            if self._available:
-                block = self._next_current().pop()
-                self._available -= 1
-                self._used.add(block)
-                return block
+            block = self._book.take_one()
         finally:
             lock.release()
+        if block is not None:
+            return block
         found = self._alloc_slow(1)
         return None if found is None else found[0]
 
@@ -487,11 +449,12 @@ class PageAllocator(Closeable):
         if n == 1:
             block = self.alloc_one()
             return None if block is None else [block]
+        book = self._book
         lock = self._lock
         lock.acquire()
         try:
-            if n <= self._available:
-                return self._take(n)
+            if n <= book.available:
+                return book.take(n)
         finally:
             lock.release()
         return self._alloc_slow(n)
@@ -506,20 +469,13 @@ class PageAllocator(Closeable):
         lock = self._lock
         lock.acquire()
         try:
-            try:
-                self._used.remove(block)
-            except KeyError:
-                if self._forked_from is not None:
-                    raise InvalidArgument(self._closed_message()) from None
-                if self._closed:
-                    return
-                raise InvalidArgument(f"block {block} is not allocated (double free?)") from None
-            page = block // self._bpp
-            if page == self._current:
-                self._current_list.append(block)
-                self._available += 1
+            if self._book.give_one(block):
                 return
-            self._return_blocks(page, [block])
+            if self._forked_from is not None:
+                raise InvalidArgument(self._closed_message())
+            if self._closed:
+                return
+            raise InvalidArgument(f"block {block} is not allocated (double free?)")
         finally:
             lock.release()
 
@@ -537,155 +493,26 @@ class PageAllocator(Closeable):
             raise InvalidArgument("free needs an iterable of int block ids") from None
         if not ordered:
             return
-        bpp = self._bpp
         lock = self._lock
         lock.acquire()
         try:
-            used = self._used
-            before = len(used)
-            used.difference_update(ordered)
-            if before - len(used) != len(ordered):
+            if not self._book.give(ordered):
                 self._undo_bad_free(ordered)  # raises, unless closed: then a no-op
-                return
-            current = self._current
-            i, count = 0, len(ordered)
-            while i < count:
-                page = ordered[i] // bpp
-                j = bisect_left(ordered, (page + 1) * bpp, i)
-                if page == current:
-                    self._current_list += ordered[i:j]
-                    self._available += j - i
-                else:
-                    self._return_blocks(page, ordered[i:j])
-                i = j
         finally:
             lock.release()
 
     def _undo_bad_free(self, ordered: list[int]) -> None:
         """Under the lock: `free` was given an id that is not allocated, or one twice.
-        Put back in the used set those of `ordered` that were allocated (their pages'
-        free lists are untouched so far), then raise. After `close` it does nothing."""
+        Put back in the used set those of `ordered` that were allocated, then raise.
+        After `close` it does nothing."""
         if self._forked_from is not None:
             raise InvalidArgument(self._closed_message())
         if self._closed:
             return
-        bpp, num_pages = self._bpp, self.group.num_pages
-        unknown: list[int] = []
-        for block in sorted(set(ordered)):
-            page = block // bpp
-            mapped = 0 <= page < num_pages and self._free_lists[page] is not _UNMAPPED
-            if mapped and block not in self._free_lists[page]:
-                self._used.add(block)  # it was allocated: undo its removal
-            else:
-                unknown.append(block)
+        unknown = self._book.undo_bad_give(ordered)
         if unknown:
             raise InvalidArgument(f"blocks {unknown[:8]} are not allocated (double free?)")
         raise InvalidArgument("free was given the same block id twice")
-
-    def _return_blocks(self, page: int, blocks: list[int]) -> None:
-        """Under the lock: put freed `blocks` of `page` (not the current page) back."""
-        free_list = self._free_lists[page]
-        k0 = len(free_list)
-        free_list += blocks
-        k = len(free_list)
-        extent = self._page_ext[page]
-        if extent.draining:
-            if k == self._bpp:
-                extent.nonempty -= 1
-                if extent.nonempty == 0:
-                    self._wake.set()  # the extent can go
-            return
-        self._available += k - k0
-        mask = self._mask
-        if k0:
-            bucket = self._buckets[k0]
-            del bucket[page]
-            if not bucket:
-                mask ^= 1 << k0
-        if k < self._bpp:
-            self._buckets[k][page] = None
-            self._mask = mask | (1 << k)
-            return
-        self._mask = mask
-        heapq.heappush(self._empty, page)
-        extent.nonempty -= 1
-        if extent.nonempty == 0 and len(self._empty) > self._high_pages:
-            self._wake.set()  # a whole extent is free and the pool is above its high mark
-
-    def _next_current(self) -> list[int]:
-        """Under the lock, with a free block available outside the current page: make
-        the page with the fewest free blocks (else the lowest fresh page) current."""
-        self._retire_current()
-        mask = self._mask
-        if mask:
-            k = (mask & -mask).bit_length() - 1
-            bucket = self._buckets[k]
-            page = bucket.popitem()[0]
-            if not bucket:
-                self._mask = mask ^ (1 << k)
-        else:
-            page = heapq.heappop(self._empty)
-            self._page_ext[page].nonempty += 1
-            if len(self._empty) < self._low_pages:
-                self._wake.set()
-        self._current = page
-        self._current_list = self._free_lists[page]
-        return self._current_list
-
-    def _retire_current(self) -> None:
-        """Under the lock: file the current page by its free count again, so that every
-        page is in the structure its state says (done before any planning)."""
-        page = self._current
-        if page < 0:
-            return
-        self._current = -1
-        self._current_list = _UNMAPPED
-        k = len(self._free_lists[page])
-        if k == self._bpp:
-            heapq.heappush(self._empty, page)
-            self._page_ext[page].nonempty -= 1
-        elif k:
-            self._buckets[k][page] = None
-            self._mask |= 1 << k
-
-    def _take(self, n: int) -> list[int]:
-        """Under the lock, with n <= available: n blocks, fullest pages first."""
-        self._retire_current()
-        out: list[int] = []
-        need = n
-        buckets, free_lists = self._buckets, self._free_lists
-        mask = self._mask
-        opened = False
-        while need:
-            if mask:
-                have = (mask & -mask).bit_length() - 1
-                bucket = buckets[have]
-                page = bucket.popitem()[0]
-                if not bucket:
-                    mask ^= 1 << have
-            else:
-                page = heapq.heappop(self._empty)
-                self._page_ext[page].nonempty += 1
-                have = self._bpp
-                opened = True
-            free_list = free_lists[page]
-            if need >= have:
-                out += free_list[::-1]  # lists are kept descending: hand out ascending
-                free_list.clear()
-                need -= have
-            else:
-                out += free_list[: -need - 1 : -1]
-                del free_list[-need:]
-                rest = have - need
-                buckets[rest][page] = None
-                mask |= 1 << rest
-                need = 0
-        self._mask = mask
-        self._available -= n
-        self._used.update(out)
-        if opened and len(self._empty) < self._low_pages:
-            self._wake.set()
-        return out
 
     # ================================================================== slow path
     def _alloc_slow(self, n: int) -> list[int] | None:
@@ -699,24 +526,24 @@ class PageAllocator(Closeable):
                 self._demand -= n
 
     def _grow_for(self, n: int) -> list[int] | None:
-        bpp = self._bpp
+        bpp, book = self._bpp, self._book
         while True:
             limit = self._limit_now()
             with self._lock:
                 while True:
                     if self._closed:
                         raise InvalidArgument(self._closed_message())
-                    if n <= self._available:
-                        blocks = self._take(n)
-                        if len(self._empty) < self._low_pages:
+                    if n <= book.available:
+                        blocks = book.take(n)
+                        if len(book.empty) < self._low_pages:
                             self._wake.set()
                         return blocks
-                    deficit = n - self._available - self._inflight_pages * bpp
+                    deficit = n - book.available - self._inflight_pages * bpp
                     if deficit > 0:
                         break
                     self._cond.wait()  # growth in flight will bring enough blocks
                 room = (limit - self._reserved - self._inflight) // self._page_id_bytes
-                unmapped = sum(length for _, length in self._holes)
+                unmapped = book.unmapped_pages()
                 if deficit > max(0, min(room, unmapped)) * bpp:
                     return None  # more than the limit or the virtual range can ever hold
                 # a whole extent even if fewer page ids would do: growth costs per handle
@@ -745,45 +572,22 @@ class PageAllocator(Closeable):
         largest hole) and the bytes they will charge, if the limit has room for one."""
         room = (limit - self._reserved - self._inflight) // self._page_id_bytes
         npages = min(want, room)
-        if npages <= 0 or any(e.draining for e in self._extents.values()):
+        if npages <= 0 or self._book.any_draining():
             return None
-        holes = self._holes
-        best = -1
-        for i, (_, length) in enumerate(holes):
-            if length >= npages:
-                best = i
-                break
-            if best < 0 or length > holes[best][1]:
-                best = i
-        if best < 0:
+        claim = self._book.claim_range(npages)
+        if claim is None:
             return None
-        start, length = holes[best]
-        npages = min(npages, length)
-        if npages == length:
-            del holes[best]
-        else:
-            holes[best] = [start + npages, length - npages]
+        npages = claim[1]
         self._inflight += npages * self._page_id_bytes
         self._inflight_pages += npages
-        return start, npages
+        return claim
 
     def _unclaim(self, start: int, npages: int) -> None:
         """Under the lock: give back page ids claimed for growth that did not happen."""
         self._inflight -= npages * self._page_id_bytes
         self._inflight_pages -= npages
-        self._return_range(start, npages)
+        self._book.return_range(start, npages)
         self._cond.notify_all()
-
-    def _return_range(self, start: int, npages: int) -> None:
-        holes = self._holes
-        i = bisect_left(holes, [start, 0])
-        holes.insert(i, [start, npages])
-        if i + 1 < len(holes) and start + npages == holes[i + 1][0]:
-            holes[i][1] += holes[i + 1][1]
-            del holes[i + 1]
-        if i > 0 and holes[i - 1][0] + holes[i - 1][1] == start:
-            holes[i - 1][1] += holes[i][1]
-            del holes[i]
 
     def _grow(self, want: int, limit: int) -> int:
         """Map up to `want` page ids as one extent; the page ids mapped (0: refused)."""
@@ -810,7 +614,7 @@ class PageAllocator(Closeable):
                     committed = self._commit(start, npages, pages)
                 if committed:
                     return npages
-                extent = _Extent(start, npages, pages)  # closed meanwhile: undo
+                extent = Extent(start, npages, pages)  # closed meanwhile: undo
                 self._destroy(extent)
                 try:
                     self.account.refund(self._extent_bytes(extent))
@@ -868,42 +672,20 @@ class PageAllocator(Closeable):
         self._inflight_pages -= npages
         self._reserved += nbytes
         self._cond.notify_all()
-        extent = _Extent(start, npages, pages)
-        self._extents[start] = extent
-        bpp = self._bpp
-        for page in range(start, start + npages):
-            first = page * bpp
-            self._free_lists[page] = list(range(first + bpp - 1, first - 1, -1))
-            self._page_ext[page] = extent
-            heapq.heappush(self._empty, page)
-        self._capacity += npages * bpp
-        self._available += npages * bpp
+        self._book.add_extent(Extent(start, npages, pages))
         return True
 
     # ==================================================================== release
-    def _extent_bytes(self, extent: _Extent) -> int:
+    def _extent_bytes(self, extent: Extent) -> int:
         return extent.npages * self._page_id_bytes
 
-    def _claim_release(self, extents: list[_Extent]) -> None:
+    def _claim_release(self, extents: list[Extent]) -> None:
         """Under the lock: take empty extents out of service, to be destroyed."""
-        bpp = self._bpp
-        dropped: set[int] = set()
+        self._book.remove_extents(extents)
         for extent in extents:
-            del self._extents[extent.start]
-            pages = range(extent.start, extent.start + extent.npages)
-            if not extent.draining:
-                self._available -= extent.npages * bpp
-                dropped.update(pages)
-            self._capacity -= extent.npages * bpp
-            for page in pages:
-                self._free_lists[page] = _UNMAPPED
-                self._page_ext[page] = _NO_EXTENT
             self._releasing += self._extent_bytes(extent)
-        if dropped:
-            self._empty = [page for page in self._empty if page not in dropped]
-            heapq.heapify(self._empty)
 
-    def _destroy(self, extent: _Extent) -> None:
+    def _destroy(self, extent: Extent) -> None:
         """Outside the lock: unmap an extent from every reservation and release it."""
         size = extent.npages * self._page_bytes
         at = extent.start * self._page_bytes
@@ -912,7 +694,7 @@ class PageAllocator(Closeable):
         for page in extent.pages:
             self.backend.release(page)
 
-    def _release_claimed(self, extents: list[_Extent]) -> int:
+    def _release_claimed(self, extents: list[Extent]) -> int:
         """Outside the lock: destroy claimed extents and settle the books."""
         if not extents:
             return 0
@@ -933,83 +715,53 @@ class PageAllocator(Closeable):
             with self._lock:
                 self._releasing -= nbytes
                 self._reserved -= nbytes
-                self._return_range(extent.start, extent.npages)
+                self._book.return_range(extent.start, extent.npages)
                 self._cond.notify_all()
             released += nbytes
         if refund_error is not None:
             raise refund_error
         return released
 
-    def _drain(self, extent: _Extent) -> None:
-        """Under the lock: stop handing out blocks of `extent` (over the limit)."""
-        extent.draining = True
-        bpp, dropped = self._bpp, False
-        for page in range(extent.start, extent.start + extent.npages):
-            k = len(self._free_lists[page])
-            if k == bpp:
-                dropped = True
-            elif k:
-                bucket = self._buckets[k]
-                del bucket[page]
-                if not bucket:
-                    self._mask &= ~(1 << k)
-            self._available -= k
-        if dropped:
-            end = extent.start + extent.npages
-            self._empty = [p for p in self._empty if not extent.start <= p < end]
-            heapq.heapify(self._empty)
-
-    def _undrain(self, extent: _Extent) -> None:
-        """Under the lock: put a draining extent back in service (the limit rose)."""
-        extent.draining = False
-        bpp = self._bpp
-        for page in range(extent.start, extent.start + extent.npages):
-            k = len(self._free_lists[page])
-            if k == bpp:
-                heapq.heappush(self._empty, page)
-            elif k:
-                self._buckets[k][page] = None
-                self._mask |= 1 << k
-            self._available += k
-
-    def _plan_limit(self, limit: int) -> list[_Extent]:
+    def _plan_limit(self, limit: int) -> list[Extent]:
         """Under the lock: drain or undrain extents so that what is held can come within
         `limit`; claim and return the extents that can be released now."""
-        self._retire_current()
+        book = self._book
+        book.retire_current()
         held = self._reserved + self._inflight - self._releasing
-        draining = [e for e in self._extents.values() if e.draining]
+        draining = [e for e in book.extents.values() if e.draining]
         pending = sum(self._extent_bytes(e) for e in draining)
         if held - pending <= limit:
             # the limit rose: put back the extents no longer needed, fullest first
             for extent in sorted(draining, key=lambda e: -e.nonempty):
                 nbytes = self._extent_bytes(extent)
                 if held - pending + nbytes <= limit:
-                    self._undrain(extent)
+                    book.undrain(extent)
                     pending -= nbytes
         else:
             # emptiest first; among equals the highest, so live blocks pack low
             candidates = sorted(
-                (e for e in self._extents.values() if not e.draining),
+                (e for e in book.extents.values() if not e.draining),
                 key=lambda e: (e.nonempty, -e.start),
             )
             for extent in candidates:
                 if held - pending <= limit:
                     break
-                self._drain(extent)
+                book.drain(extent)
                 pending += self._extent_bytes(extent)
-        empty = [e for e in self._extents.values() if e.draining and e.nonempty == 0]
+        empty = [e for e in book.extents.values() if e.draining and e.nonempty == 0]
         self._claim_release(empty)
         return empty
 
-    def _plan_pool_release(self, keep_pages: int, floor: int) -> list[_Extent]:
+    def _plan_pool_release(self, keep_pages: int, floor: int) -> list[Extent]:
         """Under the lock: claim empty extents, highest first, while the pool keeps
         `keep_pages` fully free page ids and what is held stays at or above `floor`."""
-        self._retire_current()
+        book = self._book
+        book.retire_current()
         keep_pages += -(-self._demand // self._bpp)  # growth that a waiting alloc made
-        empty_pages = len(self._empty)
+        empty_pages = len(book.empty)
         held = self._reserved - self._releasing
-        chosen: list[_Extent] = []
-        for extent in sorted(self._extents.values(), key=lambda e: -e.start):
+        chosen: list[Extent] = []
+        for extent in sorted(book.extents.values(), key=lambda e: -e.start):
             if extent.nonempty or extent.draining:
                 continue
             nbytes = self._extent_bytes(extent)
@@ -1026,7 +778,7 @@ class PageAllocator(Closeable):
         """One round of upkeep, what the background thread runs: follow the limit
         (release, drain), keep the pool between its watermarks, keep `resize`'s floor,
         and report used bytes to the account. Returns page ids mapped minus released."""
-        delta = 0
+        delta, book = 0, self._book
         while True:
             limit = self._limit_now()
             grow = 0
@@ -1034,16 +786,16 @@ class PageAllocator(Closeable):
                 if self._closed:
                     return delta
                 release = self._plan_limit(limit)
-                if not release and not any(e.draining for e in self._extents.values()):
+                if not release and not book.any_draining():
                     held = self._reserved + self._inflight - self._releasing
-                    pool = len(self._empty) + self._inflight_pages
+                    pool = len(book.empty) + self._inflight_pages
                     if held < self._floor:
                         grow = -(-(self._floor - held) // self._page_id_bytes)
                     elif pool < self._low_pages and (
                         time.monotonic() - self._refill_failed_at > REFILL_RETRY_S
                     ):
                         grow = self._extent_pages
-                    elif len(self._empty) > self._high_pages:
+                    elif len(book.empty) > self._high_pages:
                         now = time.monotonic()
                         if self._over_high_since is None:
                             self._over_high_since = now
@@ -1066,7 +818,7 @@ class PageAllocator(Closeable):
         return delta
 
     def _report(self) -> None:
-        used = len(self._used) * self._block_id_bytes
+        used = len(self._book.used) * self._block_id_bytes
         if used != self._reported_used:
             self._reported_used = used
             self.account.set_used(used)
@@ -1197,14 +949,14 @@ class PageAllocator(Closeable):
 
     @property
     def used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._book.used)
 
     @property
     def capacity_blocks(self) -> int:
-        return self._capacity
+        return self._book.capacity
 
     def is_allocated(self, block: int) -> bool:
-        return block in self._used
+        return block in self._book.used
 
     def release_order(self, candidates: Iterable[int]) -> list[int]:
         """`candidates` (allocated blocks the engine could free, e.g. cached prefixes no
@@ -1217,7 +969,7 @@ class PageAllocator(Closeable):
             by_page.setdefault(block // bpp, []).append(block)
         with self._lock:
             others = {
-                page: bpp - len(self._free_lists[page]) - len(blocks)
+                page: bpp - self._book.free_count(page) - len(blocks)
                 for page, blocks in by_page.items()
             }
         order: list[int] = []
@@ -1227,42 +979,37 @@ class PageAllocator(Closeable):
 
     def obtainable_blocks(self) -> int:
         """Blocks `alloc` could hand out right now: the free blocks of mapped pages,
-        growth in flight, and what the limit, the device budget (when the account
-        knows its `headroom`) and the virtual range still allow to be mapped. An
+        growth in flight, and what the limit, the device budget (the
+        account's `headroom`) and the virtual range still allow to be mapped. An
         engine's free-block count follows this, so that running short of memory
         becomes the engine's own preemption instead of a failed allocation. It is a
         snapshot: another instance may take the budget's headroom a moment later."""
         limit = self._limit_now()
-        headroom = getattr(self.account, "headroom", None)
-        budget_room = headroom() if callable(headroom) else None
+        budget_room = self.account.headroom()
         with self._lock:
             if self._closed:
                 return 0
             room = limit - self._reserved - self._inflight + self._releasing
             if budget_room is not None:
                 room = min(room, budget_room)
-            unmapped = sum(length for _, length in self._holes)
+            unmapped = self._book.unmapped_pages()
             growable = max(0, min(room // self._page_id_bytes, unmapped))
-            return self._available + (self._inflight_pages + growable) * self._bpp
+            return self._book.available + (self._inflight_pages + growable) * self._bpp
 
     def stats(self) -> AllocatorStats:
         with self._lock:
-            self._retire_current()
-            used = len(self._used)
-            draining = [e for e in self._extents.values() if e.draining]
-            free = sum(
-                len(self._free_lists[page])
-                for e in self._extents.values()
-                for page in range(e.start, e.start + e.npages)
-            )
+            book = self._book
+            book.retire_current()
+            used = len(book.used)
+            draining = [e for e in book.extents.values() if e.draining]
             return AllocatorStats(
-                capacity_blocks=self._capacity,
+                capacity_blocks=book.capacity,
                 used_blocks=used,
-                free_blocks=free,
-                available_blocks=self._available,
-                empty_pages=len(self._empty),
-                extents=len(self._extents),
-                mapped_pages=sum(e.npages for e in self._extents.values()),
+                free_blocks=book.free_blocks(),
+                available_blocks=book.available,
+                empty_pages=len(book.empty),
+                extents=len(book.extents),
+                mapped_pages=sum(e.npages for e in book.extents.values()),
                 draining_extents=len(draining),
                 reserved_bytes=self._reserved,
                 draining_bytes=sum(self._extent_bytes(e) for e in draining),
@@ -1276,7 +1023,7 @@ class PageAllocator(Closeable):
     def extents(self) -> list[tuple[int, int]]:
         """(first page id, page ids) of every mapped extent, in page-id order."""
         with self._lock:
-            return sorted((e.start, e.npages) for e in self._extents.values())
+            return sorted((e.start, e.npages) for e in self._book.extents.values())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1308,20 +1055,15 @@ class PageAllocator(Closeable):
             # growth and release running in other threads finish (or undo) themselves
             while self._inflight or self._releasing:
                 self._cond.wait()
-            self._retire_current()
-            extents = list(self._extents.values())
+            extents = self._book.clear()
             for extent in extents:
-                extent.nonempty = 0
-            self._claim_release(extents)
-            self._used.clear()
-            self._buckets = [{} for _ in range(self._bpp)]
-            self._mask = 0
-            self._available = 0
+                self._releasing += self._extent_bytes(extent)
         self._release_claimed(extents)
         self._report()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._used)}/{self._capacity} blocks used"
+        book = self._book
+        state = "closed" if self._closed else f"{len(book.used)}/{book.capacity} blocks used"
         return (
             f"PageAllocator({self.group.name}, {self._bpp} blocks/page, "
             f"{self._extent_pages} pages/extent, {state}, {self._reserved} bytes held)"

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -44,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from kvcached import forksafe
 from kvcached.errors import InvalidArgument, OutOfMemory
 from kvcached.lifetime import Closeable
 
@@ -701,20 +701,17 @@ def _int_tuple(what: str, values: Iterable[Any]) -> tuple[int, ...]:
 
 #: Every backend instance alive in this process, so a forked child can disown them.
 _live_backends: weakref.WeakSet[Backend] = weakref.WeakSet()
-_pid_before_fork = os.getpid()
 
 
-def _remember_pid() -> None:
-    global _pid_before_fork
-    _pid_before_fork = os.getpid()
-
-
-def _disown_backends_in_child() -> None:
+def _disown_backends_in_child(parent: int) -> None:
     for backend in list(_live_backends):
-        backend._disown_after_fork(_pid_before_fork)
+        backend._disown_after_fork(parent)
 
 
-os.register_at_fork(before=_remember_pid, after_in_child=_disown_backends_in_child)
+# after the ledger's hook, before the allocators' (Note [fork hook order] in forksafe.py)
+forksafe.register(
+    "kvcached.backend", forksafe.Stage.BACKENDS, after_in_child=_disown_backends_in_child
+)
 
 
 _ITEMSIZE = {

@@ -18,34 +18,52 @@ device's memory; `kvctl budget` changes it later. Once the ledger exists, a budg
 asked for here is ignored, with a warning that names the ledger's budget.
 
 With KVCACHED_METRICS_PORT set, the first `KVCache` of a process starts the
-Prometheus endpoint (`kvcached.metrics.start_from_settings`); it serves every ledger
-of this user until the process exits, and a process that finds the port taken
-leaves it to whoever holds it.
+Prometheus endpoint (`kvcached.metrics.start_process_server`, which keeps it to one
+per process: Note [one endpoint per process]); it serves every ledger of this user
+until the process exits, and a process that finds the port taken leaves it to
+whoever holds it.
 
 `check_ready` runs the constructor's checks of the device (its ledger file or folder,
 its granularity) without building anything; `kvcached info` reports with it.
 
-A constructor that fails part-way closes what it built (allocators and their pool
-threads, reservations, the ledger row), and a forked child cannot use the parent's
-caches: every method but `close` raises, and `close` gives nothing back (the pages
-and the ledger row are the parent's).
+Note [what a cache holds]. The constructor takes its resources one after another, each
+pushed on one `contextlib.ExitStack`: the layout (given, or built from `layers`), the
+device ledger and the instance's row in it, each other device's ledger and row
+(tensor-parallel copies), then one allocator per group. A step that fails unwinds the
+stack, so everything taken before it is given back, newest first: allocators (their
+pool threads stop, their extents are unmapped and refunded) before the rows they
+charge, rows before their ledgers, and the reservations last. On success the stack is
+kept, and `close()` unwinds the very same stack. A layout handed in (`layout=`) is the
+cache's from the call on: it is closed on every failure, also one before the ledger.
+
+A forked child cannot use the parent's caches: every method but `close` raises, and
+`close` gives nothing back (the pages and the ledger row are the parent's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
+from kvcached import metrics
 from kvcached.allocator import PageAllocator
 from kvcached.backend import Backend
+from kvcached.backing import BackingBuffer
 from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
 from kvcached.layout import KVLayout, LayerSpec, Part, check_granularity
 from kvcached.ledger import Ledger, LedgerAccount, check_usable, ledger_key
 from kvcached.lifetime import Closeable
+
+#: Where a `KVCache`'s blocks live: a `KVLayout` (kvcached places every layer's blocks;
+#: the cache builds it from `layers`) or a `BackingBuffer` (the engine placed them; it
+#: is handed in as `layout=`). Both give the allocators their page-id `groups`, and
+#: `close()` frees their reservations.
+CacheLayout = KVLayout | BackingBuffer
 
 
 def open_device_ledger(
@@ -156,19 +174,25 @@ class _GroupAccount:
 class KVCache(Closeable):
     """The KV cache of one model instance.
 
+    Built either from `layers` (kvcached lays the blocks out) or over a `layout=` the
+    engine placed its blocks in itself (a `BackingBuffer`); the two overloads below.
+
     Arguments:
         layers: one `LayerSpec` per attention layer.
-        block_size: tokens per block.
+        block_size: tokens per block (default 1); with `layers` only.
         name: this instance's name in the ledger (unique among live instances of the
             device; `kvctl limit NAME ...` uses it).
         engine: what runs it ("vllm", "sglang", "mlx-lm", ...), shown by kvctl/kvtop.
         limit: this instance's cap in bytes (None: only the device budget bounds it).
         budget: the device budget if this call creates the ledger.
-        backend: a backend instance, or a name; default: the process's backend.
-        max_tokens: virtual capacity per group (default: what the device could hold).
-        layout: instead of `layers`, a layout built already over this backend (a
-            `BackingBuffer`, for an engine that places its blocks itself); the cache
-            owns it from here on and closes it.
+        backend: a backend instance, or a name; default: the layout's backend when a
+            `layout` is given, else the process's backend. A `layout` must have been
+            built over this same backend.
+        max_tokens: virtual capacity per group (default: what the device could hold);
+            with `layers` only.
+        layout: instead of `layers`, a `KVLayout` or `BackingBuffer` built already over
+            this backend; the cache owns it from here on and closes it, also when the
+            constructor fails (Note [what a cache holds]).
         copies, before_refund: for an allocator whose decisions other processes carry
             out (`kvcached.replay`): ``{device: processes holding a copy there}``, the
             devices as backends name them (a tensor-parallel engine's ranks, e.g.
@@ -180,76 +204,151 @@ class KVCache(Closeable):
         allocator_options: passed to every `PageAllocator` (extent_bytes, pool_low, ...).
     """
 
+    layout: CacheLayout
+    ledger: Ledger
+    account: LedgerAccount
+
+    @overload
     def __init__(
         self,
-        layers: Sequence[LayerSpec] | None = None,
+        layers: Sequence[LayerSpec],
         *,
-        block_size: int = 1,
+        block_size: int | None = None,
         name: str,
         engine: str = "custom",
         limit: int | None = None,
         budget: int | str | None = None,
         backend: Backend | str | None = None,
         max_tokens: int | None = None,
-        layout: Any = None,
+        copies: Mapping[str | int, int] | None = None,
+        before_refund: Callable[[], object] | None = None,
+        **allocator_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        *,
+        layout: CacheLayout,
+        name: str,
+        engine: str = "custom",
+        limit: int | None = None,
+        budget: int | str | None = None,
+        backend: Backend | str | None = None,
+        copies: Mapping[str | int, int] | None = None,
+        before_refund: Callable[[], object] | None = None,
+        **allocator_options: Any,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec] | None = None,
+        *,
+        block_size: int | None = None,
+        name: str,
+        engine: str = "custom",
+        limit: int | None = None,
+        budget: int | str | None = None,
+        backend: Backend | str | None = None,
+        max_tokens: int | None = None,
+        layout: CacheLayout | None = None,
         copies: Mapping[str | int, int] | None = None,
         before_refund: Callable[[], object] | None = None,
         **allocator_options: Any,
     ) -> None:
-        from kvcached.registry import get_backend
-
         self._pid = os.getpid()
         self._closed = False
         self.allocators: list[PageAllocator] = []
-        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
-        charged = self._check_copies(copies)
-        self.ledger = open_device_ledger(self.backend, budget, key=charged[0][0])
-        try:
-            self.account = self.ledger.register(name, engine, limit)
-            #: the rows in other devices' ledgers (tensor-parallel copies), with theirs
-            self.other_rows: list[tuple[Ledger, LedgerAccount]] = []
-            rows = [(self.account, charged[0][1])]  # (row, copies it is charged for)
-            try:
-                for key, copies_there in charged[1:]:
-                    ledger = open_device_ledger(self.backend, budget, key=key)
-                    try:
-                        row = ledger.register(name, engine, limit)
-                    except BaseException:
-                        ledger.close()
-                        raise
-                    self.other_rows.append((ledger, row))
-                    rows.append((row, copies_there))
-                if layout is not None:
-                    self.layout = layout
-                elif layers is None:
-                    raise InvalidArgument("KVCache needs `layers` (or a prebuilt `layout`)")
-                else:
-                    self.layout = KVLayout(
-                        self.backend, layers, block_size=block_size, max_tokens=max_tokens
+        #: the rows in other devices' ledgers (tensor-parallel copies), with theirs
+        self.other_rows: list[tuple[Ledger, LedgerAccount]] = []
+        if layout is not None and not isinstance(layout, CacheLayout):
+            raise InvalidArgument(
+                f"KVCache(layout=...) takes a KVLayout or a BackingBuffer, got "
+                f"{type(layout).__name__}"
+            )
+        # Note [what a cache holds]: every step below pushes what it took on `held`
+        with contextlib.ExitStack() as held:
+            if layout is not None:
+                held.enter_context(layout)  # the cache's from here on, whatever fails
+            self.backend = self._resolve_backend(backend, layout)
+            self._check_layout_arguments(layers, layout, block_size, max_tokens)
+            charged = self._check_copies(copies)
+            if layout is None:
+                assert layers is not None  # _check_layout_arguments says so
+                layout = held.enter_context(
+                    KVLayout(
+                        self.backend,
+                        layers,
+                        block_size=1 if block_size is None else block_size,
+                        max_tokens=max_tokens,
                     )
-                try:
-                    used = [0] * len(self.layout.groups)
-                    lock = threading.Lock()
-                    for i, group in enumerate(self.layout.groups):
-                        account = _GroupAccount(rows, used, i, lock, before_refund)
-                        self.allocators.append(
-                            PageAllocator(group, account=account, **allocator_options)
-                        )
-                except BaseException:
-                    for allocator in self.allocators:  # their threads stop, extents return
-                        allocator.close()
-                    self.allocators.clear()
-                    self.layout.close()
-                    raise
-            except BaseException:
-                if layout is not None and not getattr(layout, "_closed", False):
-                    layout.close()
-                self._close_rows()
-                raise
-        except BaseException:
-            self.ledger.close()
-            raise
-        _start_metrics_once()
+                )
+            self.layout = layout
+            self.ledger = held.enter_context(
+                open_device_ledger(self.backend, budget, key=charged[0][0])
+            )
+            self.account = held.enter_context(self.ledger.register(name, engine, limit))
+            rows = [(self.account, charged[0][1])]  # (row, copies it is charged for)
+            for key, copies_there in charged[1:]:
+                ledger = held.enter_context(open_device_ledger(self.backend, budget, key=key))
+                row = held.enter_context(ledger.register(name, engine, limit))
+                self.other_rows.append((ledger, row))
+                rows.append((row, copies_there))
+            used = [0] * len(self.layout.groups)
+            lock = threading.Lock()
+            for i, group in enumerate(self.layout.groups):
+                account = _GroupAccount(rows, used, i, lock, before_refund)
+                allocator = PageAllocator(group, account=account, **allocator_options)
+                self.allocators.append(held.enter_context(allocator))
+            self._held = held.pop_all()  # close() gives it all back, in the same order
+        metrics.start_process_server()  # Note [one endpoint per process] in metrics.py
+
+    def _resolve_backend(
+        self, backend: Backend | str | None, layout: CacheLayout | None
+    ) -> Backend:
+        """The backend asked for, else the layout's, else the process's; a layout must
+        be over the cache's backend (its ledger row is the one that is charged)."""
+        from kvcached.registry import get_backend
+
+        if isinstance(backend, Backend):
+            resolved = backend
+        elif backend is None and layout is not None:
+            resolved = layout.backend
+        else:
+            resolved = get_backend(backend)
+        if layout is not None and layout.backend is not resolved:
+            raise InvalidArgument(
+                f"KVCache(layout=...) was built over {layout.backend!r}, but the cache's "
+                f"backend is {resolved!r}: build the layout over the same backend instance "
+                "(or leave `backend` out: the layout's is used)"
+            )
+        return resolved
+
+    @staticmethod
+    def _check_layout_arguments(
+        layers: Sequence[LayerSpec] | None,
+        layout: CacheLayout | None,
+        block_size: int | None,
+        max_tokens: int | None,
+    ) -> None:
+        if layout is None:
+            if layers is None:
+                raise InvalidArgument("KVCache needs `layers` (or a prebuilt `layout`)")
+            return
+        given = [
+            what
+            for what, value in (
+                ("layers", layers),
+                ("block_size", block_size),
+                ("max_tokens", max_tokens),
+            )
+            if value is not None
+        ]
+        if given:
+            raise InvalidArgument(
+                f"KVCache takes `layers` (with block_size, max_tokens) or a prebuilt "
+                f"`layout`, not both: {', '.join(given)} given with layout={layout!r}"
+            )
 
     def _check_copies(self, copies: Mapping[str | int, int] | None) -> list[tuple[str, int]]:
         """(ledger key, copies) per device, this backend's device if none is named."""
@@ -264,18 +363,6 @@ class KVCache(Closeable):
         if len({key for key, _ in charged}) != len(charged):
             raise InvalidArgument(f"copies names one device twice: {copies!r}")
         return charged
-
-    def _close_rows(self) -> None:
-        """Remove the instance's rows (own ledger's row, then the other devices')."""
-        try:
-            self.account.close()
-        finally:
-            for ledger, account in self.other_rows:
-                try:
-                    account.close()
-                finally:
-                    ledger.close()
-            self.other_rows = []
 
     # ------------------------------------------------------------------ blocks
     def _allocator(self, group: int) -> PageAllocator:
@@ -296,6 +383,11 @@ class KVCache(Closeable):
     def view(self, layer: int, part: Part = "kv", **options: Any) -> Any:
         """The zero-copy tensor of `layer`'s K, V or both (see `KVLayout.view`)."""
         self._check_own_process()
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidArgument(
+                f"KVCache {self.account.name!r} is over an engine-placed {self.layout!r}, "
+                "which has no per-layer views: view it whole with `cache.layout.raw()`"
+            )
         return self.layout.view(layer, part, **options)
 
     def set_limit(self, nbytes: int | None) -> None:
@@ -324,15 +416,7 @@ class KVCache(Closeable):
         self._closed = True
         if os.getpid() != self._pid:
             return  # a forked child: the pages and the ledger row are the parent's
-        try:
-            for allocator in self.allocators:
-                allocator.close()
-            self.layout.close()
-        finally:
-            try:
-                self._close_rows()
-            finally:
-                self.ledger.close()
+        self._held.close()  # newest first (Note [what a cache holds])
 
 
 def start_engine_cache(cache: KVCache, first_block: str) -> PageAllocator:
@@ -358,31 +442,3 @@ def start_engine_cache(cache: KVCache, first_block: str) -> PageAllocator:
         cache.close()
         raise
     return allocator
-
-
-_metrics_lock = threading.Lock()
-_metrics_started_in: int | None = None  # pid of the process that started (or tried) it
-
-
-def _start_metrics_once() -> None:
-    """Start the metrics endpoint of KVCACHED_METRICS_PORT, once per process."""
-    global _metrics_started_in
-    if settings().metrics_port is None:
-        return
-    with _metrics_lock:
-        if _metrics_started_in == os.getpid():
-            return
-        _metrics_started_in = os.getpid()
-    from kvcached import metrics
-
-    metrics.start_process_server()
-
-
-def _stop_metrics() -> None:
-    """Stop this process's metrics endpoint and allow a later KVCache to start it again."""
-    global _metrics_started_in
-    from kvcached import metrics
-
-    metrics.stop_process_server()
-    with _metrics_lock:
-        _metrics_started_in = None

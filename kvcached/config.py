@@ -1,7 +1,14 @@
-"""Every KVCACHED_* environment variable, typed and validated, in one place.
+"""Every environment variable kvcached reads, typed and validated, in one place.
 
-Read through `settings()`, which parses the environment once per process (and again
-after `reload_settings()`, which tests use). pydantic-settings does the parsing and
+Two kinds. The KVCACHED_* settings are read through `settings()`, which parses the
+environment once per process (and again after `reload_settings()`, which tests use).
+ENABLE_KVCACHED, the engine plugins' switch, is read through `engines_enabled()`: it
+is the one variable without the prefix (the name users of the upstream project know),
+and the engines ask for it first thing in every one of their processes, before anything
+else is imported, so it is a plain lookup that never raises, read fresh on each call.
+No other module reads the environment for a setting of kvcached's own (a module may
+read the engine's or the OS's variables, such as XDG_RUNTIME_DIR, or write KVCACHED_*
+for a child process it starts). pydantic-settings does the parsing and
 gives every bad value an error that names the variable and what it accepts; it is
 imported on first use only, so `import kvcached` stays fast.
 
@@ -175,6 +182,22 @@ def check_release_delay(value: object, *, what: str) -> float:
     return float(value)
 
 
+#: the engine plugins' switch, and the values that turn them on (case and spaces ignored)
+ENABLE_VARIABLE = "ENABLE_KVCACHED"
+ENABLE_VALUES = ("1", "true", "yes", "on")
+
+
+def engines_enabled() -> bool:
+    """Whether ENABLE_KVCACHED turns the engine plugins on (1, true, yes or on).
+
+    Any other value, or none, leaves them inert. Not part of `settings()`: vLLM and SGLang
+    load their plugins in every process they start, and the check must cost nothing and
+    import nothing (pydantic included) when kvcached is not wanted."""
+    import os
+
+    return os.environ.get(ENABLE_VARIABLE, "").strip().lower() in ENABLE_VALUES
+
+
 def _settings_class() -> type[BaseSettings]:
     from pydantic import Field, field_validator, model_validator
     from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -267,6 +290,11 @@ def _settings_class() -> type[BaseSettings]:
             default=None,
             description="KV limit of an engine instance started by an adapter: a size or a "
             "percentage of the device budget; change it later with `kvctl limit`.",
+        )
+        serve_api_key: str | None = Field(
+            default=None,
+            description="`kvcached serve`: the bearer key clients must send, when the "
+            "config file sets no `api_key`.",
         )
         cache_idle_evict: float = Field(
             default=30.0,

@@ -2,8 +2,9 @@
 
 Engines catch `OutOfMemory` as a normal event (preempt, retry later); every other error
 is a bug in the caller (`InvalidArgument`), a missing platform (`BackendUnavailable`), or
-a driver failure that carries the API name and the driver's own code (`DriverError`).
-Nothing in kvcached aborts the process.
+a driver failure that carries the API name and the driver's own code (`DriverError`),
+or an engine configuration an adapter does not serve, refused at start-up before any
+memory is used (`Unsupported`). Nothing in kvcached aborts the process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ class BackendUnavailable(KVCachedError):
 
 class InvalidArgument(KVCachedError, ValueError):
     """The caller passed something the API does not accept; the message says what is accepted."""
+
+
+#: what every refusal of an engine adapter ends with: the way out that always works
+RUN_WITHOUT = "Unset ENABLE_KVCACHED to run without kvcached"
+
+
+class Unsupported(KVCachedError):
+    """A configuration kvcached does not serve (an engine option, a model kind, a pool
+    type), raised at start-up before any memory is used. `message` names what was given
+    and what is supported; `remedy` is the way out (by default: run without kvcached)."""
+
+    def __init__(self, message: str, remedy: str = RUN_WITHOUT) -> None:
+        self.message = message
+        self.remedy = remedy
+        super().__init__(f"kvcached: {message}. {remedy}.")
+
+    def __reduce__(self) -> tuple[type[Unsupported], tuple[str, str]]:
+        return (type(self), (self.message, self.remedy))
 
 
 class DriverError(KVCachedError):

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcached import forksafe
 from kvcached.errors import KVCachedError
 from kvcached.ledger import Ledger, LedgerError, existing_keys
 from kvcached.lifetime import Closeable
@@ -215,25 +216,51 @@ def start_from_settings() -> MetricsServer | None:
     return None
 
 
+# Note [one endpoint per process]. Every `KVCache` asks for the endpoint (it cannot know
+# whether another one of this process did already); the first ask starts it, or tries
+# to: a port taken by another process, an address that cannot be bound or a missing
+# prometheus_client is not tried again by the next cache, which would only log the
+# same refusal once per instance. A forked child inherits the parent's server object
+# but not its thread: the fork hook below forgets it (closing it would wait on that
+# thread forever), so the child's first cache asks afresh and finds the port taken.
 _process_server: MetricsServer | None = None
+_process_asked = False  # this process asked for its endpoint (and got _process_server)
 _process_lock = threading.Lock()
 
 
 def start_process_server() -> MetricsServer | None:
-    """The endpoint of KVCACHED_METRICS_PORT for this process, started on first call
-    (every `KVCache` calls it); it runs until the process exits or
-    `stop_process_server()`."""
-    global _process_server
+    """The endpoint of KVCACHED_METRICS_PORT for this process: started on the first call
+    (every `KVCache` calls it), tried once (Note [one endpoint per process]), and
+    running until the process exits or `stop_process_server()`. None while the variable
+    is unset (a later call, once it is set, starts it) or when the start failed."""
+    global _process_server, _process_asked
+    from kvcached.config import settings
+
+    if settings().metrics_port is None:
+        return None
     with _process_lock:
-        if _process_server is None:
+        if not _process_asked:
+            _process_asked = True
             _process_server = start_from_settings()
         return _process_server
 
 
 def stop_process_server() -> None:
-    """Stop the endpoint `start_process_server` started, if any (tests use it)."""
-    global _process_server
+    """Stop the endpoint `start_process_server` started, if any, and let a later call
+    start it again (tests use it)."""
+    global _process_server, _process_asked
     with _process_lock:
-        server, _process_server = _process_server, None
+        server, _process_server, _process_asked = _process_server, None, False
     if server is not None:
         server.close()
+
+
+def _forget_parents_server(parent: int) -> None:
+    global _process_server, _process_asked, _process_lock
+    _process_lock = threading.Lock()
+    _process_server, _process_asked = None, False
+
+
+forksafe.register(
+    "kvcached.metrics", forksafe.Stage.ENDPOINTS, after_in_child=_forget_parents_server
+)

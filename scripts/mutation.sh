@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Mutation testing of the core: mutmut 3 makes small changes (mutants) to
-# kvcached/{ledger,allocator,replay,charged,config}.py, runs the unit tests of those
+# Mutation testing of the core: mutmut 3 makes small changes (mutants) to the ledger
+# (kvcached/ledger/: its budget, file and liveness modules) and to
+# kvcached/{allocator,page_book,replay,charged,config}.py, runs the unit tests of those
 # modules against each, and a mutant that no test fails is a gap in the tests.
 #
-#   scripts/mutation.sh                     every mutant of the five modules (hours here)
+#   scripts/mutation.sh                     every mutant of those modules (hours here)
 #   scripts/mutation.sh charged replay      the mutants of these modules only
-#   scripts/mutation.sh 'kvcached.ledger.xǁLedgerǁ_reclaim_dead*'   any mutmut name glob
+#   scripts/mutation.sh ledger              every module of the ledger package
+#   scripts/mutation.sh 'kvcached.ledger.book.xǁLedgerǁ_reclaim_dead*'   any mutmut name glob
 #
 # What is mutated and which tests run is [tool.mutmut] in pyproject.toml (MUTATION_CONFIG
 # names another file with that section, to try a different selection). mutmut is

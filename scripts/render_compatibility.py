@@ -89,7 +89,7 @@ def _corruption_caught(verdict: dict[str, Any]) -> bool:
 
 
 def render(tables: dict[str, dict[str, Any]]) -> str:
-    from kvcached.random_arch import ARCHITECTURES
+    from kvcached.testing.random_arch import ARCHITECTURES
 
     engines = [key for key in COLUMNS if key in tables] + sorted(set(tables) - set(COLUMNS))
     notes: list[str] = []
@@ -104,7 +104,7 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         "Greedy tokens of each architecture with kvcached against the engine alone, on",
         "random-weight models built from the representative's real config (scaled down on",
         "CPU, keeping the layer pattern, sliding windows, KV sharing and per-layer KV shapes;",
-        "`kvcached/random_arch.py`). The batch spans many extents and passes the sliding",
+        "`kvcached/testing/random_arch.py`). The batch spans many extents and passes the sliding",
         "windows. ✅ equal · ❌ crash or different tokens · ➖ refused at start-up, with the",  # noqa: RUF001
         "message · ⏳ not run here, with the reason. Throughput is tokens/s with kvcached",
         "over without, where measured: one run each, the engine alone first (kernels compiled",

@@ -8,6 +8,13 @@
 #              throughput side by side, alternating, REPEATS (default 3) batches each
 #   multi      benchmarks/vllm_multi_instance.py: 3 instances on the GPU, bursty
 #              phase-shifted load, kvcached vs. a static split of the same memory
+#   sleep      benchmarks/vllm_sleep_wake.py: vLLM's sleep mode (level 1, and a level-2
+#              check that must change the tokens) with kvcached and vLLM alone, in
+#              SLEEP_PAIRS (default 2) alternating process pairs of SLEEP_ROUNDS (3)
+#              rounds each, on /tmp/m-q06; SLEEP_Q8B=1 also on a Qwen3-8B-shaped model
+#              (/tmp/m-q8b, made first if missing, 16 GiB of bf16; one pair:
+#              SLEEP_Q8B_PAIRS), SLEEP_Q06=0 skips the 0.6B model (to run the 8B alone);
+#              SLEEP_RUNNER=v1|v2 picks the model runner (default: vLLM's)
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
 #   TP=2 RUNNERS=v1 bash scripts/vllm-gpu-run.sh overhead
@@ -37,7 +44,29 @@ for step in "$@"; do
             > "$out/vllm_multi_instance.log" 2>&1 || status=1
         grep -h '"mode"\|compare' "$out/vllm_multi_instance.log" | tail -n 6
         ;;
-    *) echo "unknown step $step (overhead, multi)"; status=2 ;;
+    sleep)
+        if [ "${SLEEP_Q06:-1}" = 1 ]; then
+            python3 "$repo/benchmarks/vllm_sleep_wake.py" /tmp/m-q06 \
+                --pairs "${SLEEP_PAIRS:-2}" --rounds "${SLEEP_ROUNDS:-3}" \
+                --runner "${SLEEP_RUNNER:-default}" --child-timeout 240 \
+                --log "$out/vllm_sleep_wake.log" --out "$out/vllm_sleep_wake.jsonl" \
+                | grep '_summary\|"error"' || status=1
+        fi
+        if [ "${SLEEP_Q8B:-0}" = 1 ]; then
+            if [ ! -f /tmp/m-q8b/config.json ]; then
+                make=$repo/.devwheels/tools/make_random_model.py
+                [ -f "$make" ] || make=$repo/../shared/device-vllm/make_random_model.py
+                python3 "$make" /tmp/m-q8b qwen3-8b > "$out/make_q8b.log" 2>&1 \
+                    || { tail -n 20 "$out/make_q8b.log"; status=1; }
+            fi
+            python3 "$repo/benchmarks/vllm_sleep_wake.py" /tmp/m-q8b \
+                --pairs "${SLEEP_Q8B_PAIRS:-1}" --rounds "${SLEEP_ROUNDS:-3}" \
+                --runner "${SLEEP_RUNNER:-default}" --child-timeout 420 \
+                --log "$out/vllm_sleep_wake_q8b.log" --out "$out/vllm_sleep_wake_q8b.jsonl" \
+                | grep '_summary\|"error"' || status=1
+        fi
+        ;;
+    *) echo "unknown step $step (overhead, multi, sleep)"; status=2 ;;
     esac
 done
 exit $status

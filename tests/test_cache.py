@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvcached import cache as cache_module
+from kvcached import metrics
 from kvcached.allocator import PageAllocator
 from kvcached.backends.host import HostBackend
 from kvcached.cache import KVCache
@@ -311,7 +312,7 @@ def test_metrics_port_makes_an_instance_serve_metrics(
         assert 'kvcached_instance_used_bytes{engine="custom"' in body
         assert 'name="served"' in body
     finally:
-        cache_module._stop_metrics()
+        metrics.stop_process_server()
 
 
 # ----------------------------------------------------- idempotent close (issue 8.13)

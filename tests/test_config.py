@@ -200,3 +200,71 @@ def test_kvcached_info_reports_a_setting_only_the_backend_reads(
     result = CliRunner().invoke(app, ["info", "--backend", "host"])
     assert result.exit_code == 1
     assert "KVCACHED_HOST_GRANULARITY" in result.output
+
+
+# ------------------------------------------------------------ one place reads them
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        ("1", True),
+        ("true", True),
+        (" Yes ", True),
+        ("ON", True),
+        ("0", False),
+        ("", False),
+        ("no", False),
+        ("enabled", False),
+    ],
+)
+def test_enable_kvcached_turns_the_engine_plugins_on(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+) -> None:
+    from kvcached.config import engines_enabled
+    from kvcached.engines import enabled
+
+    monkeypatch.setenv("ENABLE_KVCACHED", value)
+    assert engines_enabled() is on
+    assert enabled() is on  # the engines ask config.py, read fresh on every call
+
+
+_PRODUCT = ("kvcached", "backends", "engines", "apps", "conformance")
+
+
+def _environment_reads(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, variable) of every read of a kvcached variable in `path`: os.environ.get,
+    os.environ[...] and os.getenv with a literal KVCACHED_* or ENABLE_KVCACHED name."""
+    import ast
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        name: ast.expr | None = None
+        getters = ("os.environ.get", "os.getenv", "environ.get", "getenv")
+        if isinstance(node, ast.Call) and node.args and ast.unparse(node.func) in getters:
+            name = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            name = node.slice if ast.unparse(node.value) in ("os.environ", "environ") else None
+        text = name.value if isinstance(name, ast.Constant) else None
+        if isinstance(text, str) and (text.startswith("KVCACHED_") or text == "ENABLE_KVCACHED"):
+            found.append((node.lineno, text))
+    return found
+
+
+def test_no_product_module_but_config_reads_a_kvcached_variable() -> None:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    reads = {
+        f"{path.relative_to(root)}:{line}": name
+        for folder in _PRODUCT
+        for path in sorted((root / folder).rglob("*.py"))
+        if path != root / "kvcached" / "config.py"
+        for line, name in _environment_reads(path)
+    }
+    assert reads == {}
+
+
+def test_the_scan_finds_a_read_outside_config(tmp_path: pathlib.Path) -> None:
+    module = tmp_path / "reads.py"
+    module.write_text(
+        "import os\nA = os.environ.get('KVCACHED_BACKEND')\nB = os.environ['ENABLE_KVCACHED']\n"
+        "C = os.environ.get('HOME')\n"
+    )
+    assert _environment_reads(module) == [(2, "KVCACHED_BACKEND"), (3, "ENABLE_KVCACHED")]

@@ -35,8 +35,11 @@ from kvcached.ledger import (
     existing_keys,
     ledger_key,
     ledger_path,
+    liveness,
+    placement,
     process_start_time,
 )
+from kvcached.ledger import files as ledger_files
 
 MiB = 1 << 20
 
@@ -212,7 +215,7 @@ def test_file_of_another_user_is_refused_without_root(
         info[stat.ST_UID] = os.geteuid() + 1
         return os.stat_result(info)
 
-    monkeypatch.setattr(ledger_module.os, "fstat", fstat_as_if_foreign)
+    monkeypatch.setattr(ledger_files.os, "fstat", fstat_as_if_foreign)
     with pytest.raises(LedgerError, match="owned by uid"):
         Ledger.open("host-cpu")
 
@@ -487,10 +490,10 @@ def test_process_start_time_of_a_thread_group_counts_live_threads(
 ) -> None:
     # The liveness rule on its own: a zombie leader is alive while any task runs.
     pid = os.getpid()
-    monkeypatch.setattr(ledger_module, "_EXITED", (b"Z", b"X", b"x", b"R", b"S"))
-    monkeypatch.setattr(ledger_module, "_has_running_thread", lambda _pid: True)
+    monkeypatch.setattr(liveness, "_EXITED", (b"Z", b"X", b"x", b"R", b"S"))
+    monkeypatch.setattr(liveness, "_has_running_thread", lambda _pid: True)
     assert process_start_time(pid) is not None
-    monkeypatch.setattr(ledger_module, "_has_running_thread", lambda _pid: False)
+    monkeypatch.setattr(liveness, "_has_running_thread", lambda _pid: False)
     assert process_start_time(pid) is None
 
 
@@ -498,7 +501,7 @@ def test_reused_pid_is_not_mistaken_for_the_old_process(ledger: Ledger) -> None:
     a = ledger.register("a", "vllm")
     assert a.try_charge(MiB)
     # Forge a row with our own (live) pid but another start time: a reused pid.
-    ghost = ledger_module._Identity(os.getpid(), a._start - 1, ledger_module._pid_namespace())
+    ghost = liveness._Identity(os.getpid(), a._start - 1, liveness._pid_namespace())
     b = ledger.register("ghost", "vllm")
     with ledger._locked() as mm:
         struct.pack_into(
@@ -522,7 +525,7 @@ def test_a_dead_row_taken_again_before_reclaim_clears_it_is_left_alone(
         struct.pack_into(
             "<IxxxxQ", mm, HEADER_SIZE + ghost.index * ROW_SIZE, os.getpid(), ghost._start - 1
         )
-    real_alive = ledger_module._alive
+    real_alive = liveness._alive
     raced: list[bool] = []
     newcomer: list[Any] = []
 
@@ -533,7 +536,7 @@ def test_a_dead_row_taken_again_before_reclaim_clears_it_is_left_alone(
             newcomer.append(ledger.register("newcomer", "sglang"))
         return real_alive(pid, start_time)
 
-    monkeypatch.setattr(ledger_module, "_alive", judged_while_the_row_is_reused)
+    monkeypatch.setattr(liveness, "_alive", judged_while_the_row_is_reused)
     assert ledger.reclaim_dead() == 0
     (account,) = newcomer
     assert account.index == ghost.index  # the very row reclaim saw dead
@@ -573,7 +576,7 @@ def test_rows_of_a_previous_boot_are_cleared_on_open(ledger: Ledger) -> None:
         mm[32:48] = b"\x01" * 16  # another boot id
     with Ledger.open("host-cpu") as after:
         assert after.rows(reclaim=False) == []
-    assert ledger.path.read_bytes()[32:48] == ledger_module._boot_id()
+    assert ledger.path.read_bytes()[32:48] == liveness._boot_id()
 
 
 def test_process_start_time_reads_field_22() -> None:
@@ -892,7 +895,7 @@ def test_default_folder_is_the_users_runtime_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KVCACHED_LEDGER_DIR", raising=False)
-    monkeypatch.setattr(ledger_module, "_RUN_USER", tmp_path / "no-run-user")
+    monkeypatch.setattr(placement, "_RUN_USER", tmp_path / "no-run-user")
     runtime = _private_dir(tmp_path / "runtime")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     reload_settings()
@@ -917,7 +920,7 @@ def test_runtime_directory_others_could_write_is_not_used(
     else:
         runtime = str(tmp_path / "missing")
     monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
-    monkeypatch.setattr(ledger_module, "_RUN_USER", run_user)
+    monkeypatch.setattr(placement, "_RUN_USER", run_user)
     reload_settings()
     assert ledger_module.ledger_dir() == fallback  # /run/user/<uid>, owned and private
     os.chmod(fallback, 0o755)
@@ -957,7 +960,7 @@ def test_file_pre_created_by_another_user_names_them_and_the_way_out(
         info[stat.ST_UID] = os.geteuid() + 1
         return os.stat_result(info)
 
-    monkeypatch.setattr(ledger_module.os, "fstat", fstat_as_if_foreign)
+    monkeypatch.setattr(ledger_files.os, "fstat", fstat_as_if_foreign)
     with pytest.raises(LedgerError, match=f"owned by uid {os.geteuid() + 1}") as caught:
         Ledger.open("host-cpu", budget=MiB)
     message = str(caught.value)

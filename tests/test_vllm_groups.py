@@ -86,7 +86,7 @@ def test_overlaid_kv_cache_groups_map_each_layer_offset_once() -> None:
 
 
 def test_unknown_architecture_is_an_error_listing_the_rows(tmp_path: Path) -> None:
-    from kvcached.random_arch import make_arch_model
+    from kvcached.testing.random_arch import make_arch_model
 
     with pytest.raises(ValueError, match="unknown architecture 'mamba-9000'; accepted: standard"):
         make_arch_model(tmp_path, "mamba-9000")
@@ -94,7 +94,7 @@ def test_unknown_architecture_is_an_error_listing_the_rows(tmp_path: Path) -> No
 
 
 def test_scaled_configs_keep_the_real_layer_structure() -> None:
-    from kvcached.random_arch import ARCHITECTURES
+    from kvcached.testing.random_arch import ARCHITECTURES
 
     gpt_oss = ARCHITECTURES["sliding-window-hybrid"].config(scale="scaled")
     assert gpt_oss["layer_types"][:2] == ["sliding_attention", "full_attention"]
@@ -184,7 +184,7 @@ def test_matrix_row_whose_model_cannot_be_built_is_not_run_with_the_reason(
     sys.path.insert(0, str(ROOT / "tests" / "matrix"))
     import harness
 
-    from kvcached import random_arch
+    from kvcached.testing import random_arch
 
     def no_such_config(*args: Any, **kwargs: Any) -> Path:
         raise KeyError("gemma4_text")

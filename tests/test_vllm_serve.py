@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 
 from kvcached.apps.vllm_demo import SERVED_NAME, VllmServer  # noqa: E402
 from kvcached.ledger import Ledger, ledger_key  # noqa: E402
-from kvcached.random_model import make_random_model  # noqa: E402
+from kvcached.testing.random_model import make_random_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -193,6 +193,12 @@ class ElasticKVCache(_RunHolder):
 
     # ------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        run = self._store(keys, values)
+        end = self.offset
+        return run.keys[..., :end, :], run.values[..., :end, :]
+
+    def _store(self, keys: Any, values: Any) -> _Run:
+        """Write the step's K/V after what the cache holds (growing first if needed)."""
         prev = self.offset
         end = prev + keys.shape[2]
         run = self._run
@@ -200,7 +206,28 @@ class ElasticKVCache(_RunHolder):
             run = self._grow(keys, values, end)
         run.write(prev, keys, values)
         self.offset = end
-        return run.keys[..., :end, :], run.values[..., :end, :]
+        return run
+
+    def update_and_fetch_wide(self, keys: Any, values: Any, width: int) -> tuple[Any, Any]:
+        """`update_and_fetch`, returning `width` tokens instead of `offset` (a batch
+        that masks what lies past each row's own tokens): the run's first `width`
+        tokens (past `offset` they are zeros or stale K/V, finite either way), zeros
+        past its capacity. A slice of the run, no copy, when it is wide enough."""
+        run = self._store(keys, values)
+        if width <= run.capacity:
+            return run.keys[..., :width, :], run.values[..., :width, :]
+        mx = _mx()
+        extra = [(0, 0), (0, 0), (0, width - run.capacity), (0, 0)]
+        return mx.pad(run.keys, extra), mx.pad(run.values, extra)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` tokens now, growing as a write past the capacity
+        would, so that writes up to it cannot be refused later (a batched step must
+        not fail half-way through its layers). KVCacheExhausted, nothing changed, when
+        the ledger refuses; nothing to do while the cache is empty or roomy enough."""
+        run = self._run
+        if run is not None and tokens > run.capacity:
+            self._grow(run.keys, run.values, tokens)
 
     def _grow(self, keys: Any, values: Any, needed: int) -> _Run:
         hint = self.capacity_hint or 0

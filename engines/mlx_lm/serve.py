@@ -8,7 +8,9 @@ expiry; `POST /api/unload {"model": NAME}`: unload now; `GET /health`). A model 
 cache (`sources.py`). Each model is one `KVPool`, so one ledger row
 (`serve-mlx/<name>`), shown by `kvctl list` and `kvtop` and bounded by `kvctl limit`;
 the row is charged the model's weights while they are loaded and each request's KV
-while it runs, so all models share the device budget. An idle model holds no KV. A
+while it runs, so all models share the device budget. An idle model holds no KV
+(unless `prompt_cache_size` keeps finished requests' KV for prefix reuse: Note
+[prompt cache] in batching.py). A
 model idle longer than its keep-alive (`--keep-alive`, or a request's `keep_alive`:
 seconds, 0 = unload when this request ends, negative = keep loaded; Ollama's idea)
 unloads its weights and reloads them on its next request.
@@ -41,17 +43,21 @@ its own caches, and runs on the standard library's `http.server`. Here the HTTP 
 is Starlette under uvicorn: both maintained by the encode project, widely deployed,
 with streaming responses built in and a server that shuts down cleanly from a test.
 
-Note [one MLX lock]: MLX work runs in worker threads, one step at a time under one
-lock (MLX's graph evaluation is not meant to be driven from several threads at once).
-The lock is handed over first come, first served (`FairLock`), so a thread that
-releases it cannot take it straight back while another model waits: requests to
-different models interleave step by step. A prompt is prefilled in chunks of
-`prefill_chunk` tokens (512), one step each, so a long prompt on one model delays
-another model's step by one chunk, not by the whole prefill; a cancelled request (its
-client went away) or a server shutting down stops between chunks and between tokens.
+Note [one MLX lock]: MLX work runs in one thread per model (its `BatchScheduler`,
+which decodes all of the model's requests together: Note [batched decoding] in
+batching.py), one step at a time under one lock (MLX's graph evaluation is not meant
+to be driven from several threads at once). The lock is handed over first come, first
+served (`FairLock`), so a thread that releases it cannot take it straight back while
+another model waits: models interleave step by step. A prompt is prefilled in chunks
+of `prefill_chunk` tokens (512), one step each, with a decode step of the model's other
+requests between chunks, so a long prompt delays another model's (or its own model's
+other requests') step by one chunk, not by the whole prefill; a cancelled request (its
+client went away) or a server shutting down stops between chunks and between tokens,
+and a cancelled request leaves the others of its batch as they were.
 
 Each request samples from its own random key (`seed` when given: same seed, same
-text), since MLX's global random state starts from the same seed in every new thread;
+text, alone or in a batch), never from MLX's global random state, which requests in
+one thread would share;
 sampling options, penalties, log-probabilities and stop strings are `sampling.py`'s.
 Text goes out through mlx-lm's streaming detokenizer (`tokenizer.detokenizer`), the
 same one for streamed and whole answers, so both carry the same text and a character
@@ -75,7 +81,6 @@ import gc
 import json
 import logging
 import math
-import queue
 import sys
 import threading
 import time
@@ -86,15 +91,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcached.engines.mlx_lm.batching import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PROMPT_CACHE_SIZE,
+    BatchRequest,
+    BatchScheduler,
+    PrefixCache,
+    Work,
+)
 from kvcached.engines.mlx_lm.cache import KVCacheExhausted
 from kvcached.engines.mlx_lm.pool import DEFAULT_STEP, KVPool
 from kvcached.engines.mlx_lm.sampling import (
-    Sampler,
     SamplingOptions,
     StopText,
     TokenStep,
-    logits_processors,
-    read_logprobs,
     token_bytes,
 )
 from kvcached.errors import InvalidArgument, KVCachedError, OutOfMemory
@@ -232,6 +242,7 @@ class ServedModel:
     path: str
     pool: KVPool
     given: str = ""
+    prefixes: PrefixCache | None = None
     model: Any = None
     tokenizer: Any = None
     weight_bytes: int = 0
@@ -323,6 +334,9 @@ class ServedModel:
                 return False
             import mlx.core as mx
 
+            if self.prefixes is not None:  # Note [prompt cache]: cached KV goes first
+                with _MLX_LOCK:
+                    self.prefixes.clear()
             self.model = self.tokenizer = None
             gc.collect()
             mx.clear_cache()
@@ -369,6 +383,10 @@ class MultiModelServer:
         max_loaded: most models loaded at once (0: as many as the budget holds).
         max_tokens: the default of a request that gives none (None: up to the
             context length; Note [default max_tokens]).
+        max_batch: requests to one model decoded together in one step (Note
+            [batched decoding] in batching.py).
+        prompt_cache_size: finished requests' KV kept per model for prefix reuse
+            (Note [prompt cache]; 0: none kept, an idle model then holds no KV).
         chat_templates: Jinja files replacing the models' chat templates, `FILE` for
             every model or `NAME=FILE` for one.
         hf_cache: the Hugging Face cache repo ids are looked up in (None: the usual).
@@ -388,18 +406,24 @@ class MultiModelServer:
         max_tokens: int | None = None,
         chat_templates: Sequence[str] = (),
         hf_cache: str | Path | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
     ) -> None:
         from kvcached.engines.mlx_lm.sources import parse_source
 
         if not models:
             raise InvalidArgument("serve-mlx needs at least one model (a folder or a repo id)")
-        for what, value in (("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
+        positive = (("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
+                    ("max_batch", max_batch))  # fmt: skip
+        for what, value in positive:
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{what} must be a positive int, got {value!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
             raise InvalidArgument(f"max_tokens must be a positive int, got {max_tokens!r}")
         if not isinstance(max_loaded, int) or max_loaded < 0:
             raise InvalidArgument(f"max_loaded must be 0 or more, got {max_loaded!r}")
+        if not isinstance(prompt_cache_size, int) or prompt_cache_size < 0:
+            raise InvalidArgument(f"prompt_cache_size must be 0 or more, got {prompt_cache_size!r}")
         if queue_timeout_s < 0:
             raise InvalidArgument(f"queue_timeout_s must be >= 0, got {queue_timeout_s!r}")
         self.keep_alive_s = math.inf if keep_alive_s < 0 else keep_alive_s
@@ -408,11 +432,12 @@ class MultiModelServer:
         self.queue_timeout_s = queue_timeout_s
         self.max_loaded = max_loaded
         self.max_tokens = max_tokens
+        self.max_batch = max_batch
         self.models: dict[str, ServedModel] = {}
+        self._schedulers: dict[str, BatchScheduler] = {}
         self._aliases: dict[str, str] = {}
         self._stop = threading.Event()
         self._changed = threading.Condition()  # a request ended, a model (un)loaded
-        self._workers: set[threading.Thread] = set()
         try:
             sources = [parse_source(spec, hf_cache) for spec in models]
             templates = _read_templates(chat_templates, [s.name for s in sources])
@@ -425,11 +450,17 @@ class MultiModelServer:
                 pool = KVPool(
                     f"serve-mlx/{name}", budget=budget, budget_source=origin, engine="mlx-lm"
                 )
+                prefixes = PrefixCache(pool, prompt_cache_size)
                 self.models[name] = ServedModel(
-                    name, str(source.path), pool, given=source.given,
+                    name, str(source.path), pool, given=source.given, prefixes=prefixes,
                     context_length=context_length(str(source.path)),
                     chat_template=templates.get(name, templates.get(None)),
                     keep_alive_s=self.keep_alive_s,
+                )  # fmt: skip
+                self._schedulers[name] = BatchScheduler(
+                    name, pool, prefixes, lock=_MLX_LOCK, prefill_chunk=prefill_chunk,
+                    max_batch=max_batch, stopping=self._check_stopping,
+                    ended=functools.partial(self._ended, self.models[name]),
                 )  # fmt: skip
                 self._aliases[source.given] = name
             if preload:
@@ -483,6 +514,8 @@ class MultiModelServer:
             )
             if not over_count and nbytes <= self._room_for(served):
                 return
+            if not over_count and self._drop_cached_prefix():
+                continue
             if self._unload_lru(except_=served):
                 continue
             busy = [m for m in self.models.values() if m is not served and m.active]
@@ -509,6 +542,21 @@ class MultiModelServer:
             return False
         left = limit - served.weight_bytes - served.pool.held_bytes
         return left <= served.pool.ledger.totals().free
+
+    def _drop_cached_prefix(self, only: ServedModel | None = None) -> bool:
+        """Release the least recently used cached prefix (of `only`, or of any model);
+        False when none is held (Note [prompt cache])."""
+        held = [
+            (m.prefixes.oldest(), m.prefixes) for m in self.models.values()
+            if m.prefixes is not None and (only is None or m is only)
+        ]  # fmt: skip
+        candidates = [(when, p) for when, p in held if when is not None]
+        if not candidates:
+            return False
+        _, prefixes = min(candidates, key=lambda c: c[0])
+        with _MLX_LOCK:
+            freed = prefixes.evict_one()
+        return freed > 0
 
     def _unload_lru(self, except_: ServedModel) -> bool:
         """Unload the least recently used idle model other than `except_`."""
@@ -571,6 +619,9 @@ class MultiModelServer:
                     first = next(tokens)
                 except KVCacheExhausted:
                     tokens.close()
+                    own = served if self._limit_binds(served) else None
+                    if self._drop_cached_prefix(only=own):
+                        continue
                     if not self._limit_binds(served) and self._unload_lru(except_=served):
                         continue
                     if not any(m.active for m in self.models.values()):
@@ -585,133 +636,34 @@ class MultiModelServer:
                 served.waiting -= 1
 
     def generate(self, served: ServedModel, plan: Plan) -> TokenStream:
-        """Yield the request's TokenSteps; its KV is released at the end.
+        """Queue the request in its model's batch (Note [batched decoding] in
+        batching.py) and return its TokenSteps; its KV is released (or kept in the
+        prompt cache) at the end. Raises ShuttingDown when the server stops first."""
+        self._check_stopping()
+        served.acquire(self.make_room)
+        eos = frozenset(getattr(served.tokenizer, "eos_token_ids", []) or [])
+        work = Work(
+            plan.prompt, plan.max_tokens, plan.capacity, plan.sampling, plan.top_logprobs, eos
+        )
+        scheduler = self._schedulers[served.name]
+        scheduler.prefill_chunk = self.prefill_chunk  # may be changed while serving
+        try:
+            sequence = scheduler.submit(work, served.model)
+        except BaseException:
+            served.done()
+            raise
+        return TokenStream(sequence)
 
-        The request runs in a thread of its own from start to end: mlx-lm's generator
-        enters an MLX stream context, which must be left in the thread that entered
-        it, while an HTTP stream is consumed from whichever worker thread is free.
-        Raises ShuttingDown when the server stops first."""
+    def _check_stopping(self) -> None:
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
-        served.acquire(self.make_room)
-        out: queue.Queue[TokenStep | BaseException | None] = queue.Queue(16)
-        cancelled = threading.Event()
-        worker = threading.Thread(
-            target=self._run_request,
-            args=(served, plan, out, cancelled),
-            name=f"serve-mlx-{served.name}",
-            daemon=True,
-        )
-        self._workers.add(worker)
-        worker.start()
-        return TokenStream(self._drain(worker, out, cancelled), cancelled)
 
-    def _drain(
-        self,
-        worker: threading.Thread,
-        out: queue.Queue[TokenStep | BaseException | None],
-        cancelled: threading.Event,
-    ) -> Iterator[TokenStep]:
-        try:
-            while True:
-                item = out.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancelled.set()
-            while worker.is_alive():  # let it see the flag: unblock a full queue
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        out.get_nowait()
-                worker.join(timeout=0.01)
-            self._workers.discard(worker)
-
-    def _run_request(
-        self,
-        served: ServedModel,
-        plan: Plan,
-        out: queue.Queue[TokenStep | BaseException | None],
-        cancelled: threading.Event,
-    ) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-
-        def stopped() -> bool:
-            if self._stop.is_set():
-                raise ShuttingDown("the server is shutting down")
-            return cancelled.is_set()
-
-        cache = served.pool.make_cache(served.model, capacity=plan.capacity)
-        steps: Any = None
-        emitted = 0
-        try:
-            tokens = mx.array(plan.prompt)
-            if self._prefill(served, tokens[:-1], cache, stopped):
-                eos = set(getattr(served.tokenizer, "eos_token_ids", []) or [])
-                steps = generate_step(
-                    tokens[-1:], served.model, prompt_cache=cache, max_tokens=plan.max_tokens,
-                    sampler=Sampler(plan.sampling),
-                    logits_processors=logits_processors(plan.sampling, plan.prompt),
-                )  # fmt: skip
-                while emitted < plan.max_tokens and not stopped():
-                    with _MLX_LOCK:
-                        item = next(steps, None)
-                        if item is None:
-                            break
-                        token = int(item[0])
-                        logprob: float | None = None
-                        top: tuple[tuple[int, float], ...] = ()
-                        if plan.top_logprobs is not None:
-                            logprob, top = read_logprobs(item[1], token, plan.top_logprobs)
-                    emitted += 1
-                    finish = "stop" if token in eos else None
-                    if finish is None and emitted == plan.max_tokens:
-                        finish = "length"
-                    if not _put(out, TokenStep(token, finish, logprob, top), cancelled):
-                        break
-                    if finish is not None:
-                        break
-            _put(out, None, cancelled)
-        except KVCacheExhausted as exc:
-            if not emitted:
-                _put(out, exc, cancelled)  # refused before any token: it may wait, retry
-            else:  # Note [default max_tokens]: the answer ends here, as "length"
-                log.warning("%s: a request's KV could not grow (%s); it ends", served.name, exc)
-                _put(out, None, cancelled)
-        except BaseException as exc:
-            _put(out, exc, cancelled)
-        finally:
-            if steps is not None:
-                steps.close()  # leaves its MLX stream context in this thread
-            with _MLX_LOCK:
-                served.pool.release(cache)
-                del cache
-                mx.clear_cache()
-            served.done()
-            if served.keep_alive_s == 0:
-                served.unload()
-            self._notify()
-
-    def _prefill(
-        self, served: ServedModel, tokens: Any, cache: list[Any], stopped: Callable[[], bool]
-    ) -> bool:
-        """Run `tokens` through the model into `cache`, `prefill_chunk` tokens per step
-        under the MLX lock (Note [one MLX lock]); False when stopped between chunks."""
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
-
-        for start in range(0, len(tokens), self.prefill_chunk):
-            if stopped():
-                return False
-            chunk = tokens[start : start + self.prefill_chunk]
-            with _MLX_LOCK, mx.stream(generation_stream):
-                served.model(chunk[None], cache=cache)
-                mx.eval([c.state for c in cache])
-                mx.clear_cache()
-        return True
+    def _ended(self, served: ServedModel, _: BatchRequest) -> None:
+        """A request of `served` ended, its KV released or cached."""
+        served.done()
+        if served.keep_alive_s == 0:
+            served.unload()
+        self._notify()
 
     def unload_now(self, served: ServedModel) -> str:
         """`POST /api/unload`: "unloaded" now, "not_loaded", or "after_requests" (it
@@ -750,8 +702,8 @@ class MultiModelServer:
         """Stop, wait for running requests to end, unload and drop every row."""
         self.stop()
         deadline = time.monotonic() + timeout_s
-        for worker in list(self._workers):
-            worker.join(max(0.0, deadline - time.monotonic()))
+        for scheduler in self._schedulers.values():
+            scheduler.join(max(0.0, deadline - time.monotonic()))
         for served in self.models.values():
             served.unload()
             served.pool.close()
@@ -759,41 +711,30 @@ class MultiModelServer:
 
 class TokenStream(Iterator[TokenStep]):
     """A running request's tokens. `close()` (from the thread that reads it) ends the
-    request and waits for its worker; `cancel()`, from any thread, asks the worker to
-    stop at its next token without waiting (a client that went away mid-stream)."""
+    request and waits until its KV is released or cached; `cancel()`, from any
+    thread, asks its model's scheduler to drop it at the next step without waiting (a
+    client that went away mid-stream); the others in its batch go on.
+    `reused_tokens`: prompt tokens its KV took from the prompt cache."""
 
-    def __init__(self, steps: Iterator[TokenStep], cancelled: threading.Event) -> None:
-        self._steps = steps
-        self._cancelled = cancelled
+    def __init__(self, sequence: BatchRequest) -> None:
+        self._sequence = sequence
 
     def __next__(self) -> TokenStep:
-        return next(self._steps)
+        step = self._sequence.get()
+        if step is None:
+            raise StopIteration
+        return step
+
+    @property
+    def reused_tokens(self) -> int:
+        return self._sequence.reused
 
     def close(self) -> None:
-        close = getattr(self._steps, "close", None)
-        if close is not None:
-            close()
+        self._sequence.cancel()
+        self._sequence.finished.wait()
 
     def cancel(self) -> None:
-        self._cancelled.set()
-
-
-def _put(
-    out: queue.Queue[TokenStep | BaseException | None],
-    item: TokenStep | BaseException | None,
-    cancelled: threading.Event,
-) -> bool:
-    """Hand `item` to the reader; False (dropped) once the request is cancelled, so a
-    reader that stopped reading never leaves the worker (and its model) busy."""
-    while not cancelled.is_set():
-        try:
-            out.put(item, timeout=0.05)
-            return True
-        except queue.Full:
-            continue
-    with contextlib.suppress(queue.Full):
-        out.put_nowait(None)  # wakes a reader still waiting
-    return False
+        self._sequence.cancel()
 
 
 def _read_templates(specs: Sequence[str], names: list[str]) -> dict[str | None, str]:
@@ -869,12 +810,19 @@ def _unavailable(exc: KVCachedError) -> Any:
 
 
 def _log_request(
-    route: str, model: str, status: int, prompt: int, generated: int, started: float
+    route: str,
+    model: str,
+    status: int,
+    prompt: int,
+    generated: int,
+    started: float,
+    cached: int = 0,
 ) -> None:
-    """The request log: one line per request, at INFO."""
+    """The request log: one line per request, at INFO (`cached_tokens`: prompt tokens
+    whose KV came from the prompt cache)."""
     log.info(
-        "%s model=%s status=%d prompt_tokens=%d gen_tokens=%d %.2fs",
-        route, model, status, prompt, generated, time.monotonic() - started,
+        "%s model=%s status=%d prompt_tokens=%d cached_tokens=%d gen_tokens=%d %.2fs",
+        route, model, status, prompt, cached, generated, time.monotonic() - started,
     )  # fmt: skip
 
 
@@ -942,9 +890,9 @@ def build_app(server: MultiModelServer) -> Any:
         except KVCachedError as exc:  # busy, stopping, or a budget that cannot hold it
             _log_request(route, served.name, 503, 0, 0, started)
             return _unavailable(exc)
-        prompt_tokens = len(made.prompt)
+        prompt_tokens, cached = len(made.prompt), tokens.reused_tokens
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        answer = _Answer(served, rid, chat, req.top_logprobs_asked(), prompt_tokens)
+        answer = _Answer(served, rid, chat, req.top_logprobs_asked(), prompt_tokens, cached)
         steps = _chain([first], tokens)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -956,7 +904,9 @@ def build_app(server: MultiModelServer) -> Any:
                         yield chunk
                 finally:  # the end, or the client went away (the task is cancelled)
                     tokens.cancel()
-                    _log_request(route, served.name, 200, prompt_tokens, answer.generated, started)
+                    _log_request(
+                        route, served.name, 200, prompt_tokens, answer.generated, started, cached
+                    )
 
             return StreamingResponse(events(), media_type="text/event-stream")
         try:
@@ -965,7 +915,7 @@ def build_app(server: MultiModelServer) -> Any:
             _log_request(route, served.name, 503, prompt_tokens, 0, started)
             return _unavailable(exc)
         body = answer.whole(pieces)
-        _log_request(route, served.name, 200, prompt_tokens, answer.generated, started)
+        _log_request(route, served.name, 200, prompt_tokens, answer.generated, started, cached)
         return JSONResponse(body)
 
     async def completions(request: Request) -> Any:
@@ -1161,18 +1111,28 @@ class _Answer:
     """One request's answer in OpenAI's shapes, whole or as stream chunks."""
 
     def __init__(
-        self, served: ServedModel, rid: str, chat: bool, top_logprobs: int | None, prompt: int
+        self,
+        served: ServedModel,
+        rid: str,
+        chat: bool,
+        top_logprobs: int | None,
+        prompt: int,
+        cached: int = 0,
     ) -> None:
         self.served, self.rid, self.chat = served, rid, chat
         self.top_logprobs = top_logprobs
         self.prompt_tokens = prompt
+        self.cached_tokens = cached
         self.generated = 0
         self.created = int(time.time())
         self._offset = 0  # text_offset of the next token (completions' logprobs)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage, with the prompt tokens whose KV came from the prompt cache
+        (`prompt_tokens_details.cached_tokens`, as OpenAI reports its own)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated,
-                "total_tokens": self.prompt_tokens + self.generated}  # fmt: skip
+                "total_tokens": self.prompt_tokens + self.generated,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -1263,6 +1223,7 @@ def _ps_row(served: ServedModel) -> dict[str, Any]:
         "size_vram": served.weight_bytes + kv,  # unified memory: all of it
         "weight_bytes": served.weight_bytes,
         "kv_bytes": kv,
+        "cached_prefixes": 0 if served.prefixes is None else len(served.prefixes),
         "context_length": served.context_length,
         "active": served.active,
         "queued": served.waiting,

@@ -20,7 +20,6 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
 * `lifecycle.py`: upkeep on the scheduler's thread, and the cache closing at exit.
 * `tensor_parallel.py`: with several TP ranks, rank 0 decides the pages and every rank
   maps them (its decisions ride on SGLang's request broadcast).
-* `debug.py`: a deliberately corrupting hook for showing that equality tests can fail.
 
 Targets SGLang 0.5.16, any tensor parallel size, MHA and MLA models with the plain
 token-to-KV pools (page size 1 or more).

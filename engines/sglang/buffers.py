@@ -41,10 +41,7 @@ def _views(found: instance.SglangInstance, shapes: list[tuple[int, ...]], dtype:
 
 
 def _model_name() -> str | None:
-    from kvcached.engines.sglang import sizing
-
-    model: str | None = sizing.planned_model
-    return model
+    return instance.slot.planned_model  # set by sizing.py in this scheduler process
 
 
 def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:

@@ -13,12 +13,13 @@ as the cache exists.
 With tensor parallelism (`tensor_parallel.start_shared`) only rank 0 has the `KVCache`
 and allocator; every rank maps its own GPU's memory by replaying rank 0's decisions.
 That module builds on this one (`replace`, `SglangInstance`), never the other way.
+The instance is held in a `kvcached.supply.InstanceSlot`, as the vLLM adapter's is.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvcached import config
@@ -27,6 +28,7 @@ from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache, start_engine_cache
 from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.geometry import PoolGeometry
+from kvcached.supply import InstanceSlot
 
 log = logging.getLogger("sglang.kvcached")
 
@@ -101,20 +103,15 @@ def single(geometry: PoolGeometry, backend: Any, *, name: str) -> SglangInstance
     return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
 
 
-_lock = threading.Lock()
-_current: SglangInstance | None = None
+#: this process's instance, and the model SGLang's sizing step saw (`sizing.py`)
+slot: InstanceSlot[SglangInstance] = InstanceSlot()
 
 
-def replace(make: Any) -> SglangInstance:
+def replace(make: Callable[[], SglangInstance]) -> SglangInstance:
     """Make this process's instance with `make()`, closing an earlier one first."""
-    global _current
-    with _lock:
-        if _current is not None:
-            _current.close()
-            _current = None
-        _current = make()
-        log.info("kvcached: %s, %r", _current.name, _current.backing)
-        return _current
+    made = slot.replace(make)
+    log.info("kvcached: %s, %r", made.name, made.backing)
+    return made
 
 
 def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangInstance:
@@ -123,14 +120,9 @@ def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangI
 
 
 def current() -> SglangInstance | None:
-    found = _current
-    return None if found is None or found.closed else found
+    return slot.current()
 
 
 def close() -> None:
     """Close this process's instance: pages unmapped, ledger row removed. Idempotent."""
-    global _current
-    with _lock:
-        if _current is not None:
-            _current.close()
-            _current = None
+    slot.close()

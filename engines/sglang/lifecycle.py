@@ -4,18 +4,21 @@ SGLang's scheduler, allocator and radix cache are single-threaded, so everything
 changes them runs on the scheduler's own thread, between batches:
 
 * `upkeep_between_batches` wraps `Scheduler.get_next_batch_to_run`, the step every
-  loop (normal and overlap) takes. At most every `BUSY_CHECK_S` it looks whether the
-  instance is over its limit (`kvctl limit`, KVCACHED_INSTANCE_LIMIT) or the device
-  budget is full (another instance wants to grow): then the stock goes back to
-  kvcached and, over the limit, cached prefixes page-first until it fits; under budget
-  pressure one extent's worth of cached prefixes at a time.
+  loop (normal and overlap) takes. At most every `kvcached.supply.CHECK_S` it follows
+  kvcached's Note [One reclaim policy] (`ElasticSupply.upkeep`): over the limit
+  (`kvctl limit`, KVCACHED_INSTANCE_LIMIT), the stock goes back to kvcached and then
+  cached prefixes page-first until it fits; under budget pressure (another instance,
+  or this one, cannot grow), the stock and one page id's worth of cached prefixes.
 * `upkeep_idle` wraps `Scheduler.on_idle` (no batch ran, the scheduler is fully idle;
-  SGLang calls it at least every second then): the same checks, and after
-  KVCACHED_CACHE_IDLE_EVICT seconds of idleness every cached prefix and the
-  stock go back, so an idle instance returns its memory.
+  SGLang calls it at least every second then): it starts the supply's idle clock and
+  runs the same upkeep, which after KVCACHED_CACHE_IDLE_EVICT seconds of idleness gives
+  every cached prefix and the stock back, so an idle instance returns its memory.
+
+What is given back and when is the core's; this module only says it in SGLang's terms
+(the stock, radix-cache tokens: `evict_for`).
 
 With tensor parallelism every rank must give back the same pages at the same moment,
-so rank 0 alone judges (`decide`, on its clock and its ledgers) and the judgement
+so rank 0 alone judges (`decide`, on its supply's clock and ledgers) and the judgement
 travels to every rank with the requests (`tensor_parallel.carries_decisions`), where
 each rank carries it out (`carry_out`) at the same point of the same iteration. The
 hooks above then only keep the idle clock.
@@ -29,31 +32,14 @@ from __future__ import annotations
 
 import atexit
 import logging
-import time
 from typing import Any
 
-from kvcached.engines.sglang import debug, eviction, instance
+from kvcached.engines.sglang import eviction, instance
+from kvcached.supply import ElasticSupply, Reclaim
 
 log = logging.getLogger("sglang.kvcached")
 
-#: how often (seconds) a busy scheduler looks at its limit and the budget
-BUSY_CHECK_S = 0.05
-#: under budget pressure, at most this often (seconds) are the stock and a slice of the
-#: cache given back
-PRESSURE_EVICT_S = 0.5
-
 atexit.register(instance.close)
-
-
-class _Upkeep:
-    def __init__(self) -> None:
-        self.checked_at = 0.0
-        self.pressure_checked_at = 0.0
-        self.idle_since: float | None = None
-        self.idle_done = False
-
-
-_state = _Upkeep()
 
 
 def _served(scheduler: Any) -> tuple[Any, Any] | None:
@@ -72,85 +58,95 @@ def _shared(served: tuple[Any, Any]) -> bool:
     return bool(getattr(served[0].kv_capacity, "shared", False))
 
 
-def busy_upkeep(allocator: Any, tree_cache: Any) -> None:
+def _deciding(capacity: Any) -> ElasticSupply | None:
+    """The supply whose clock and ledgers decide: this process's own, or with tensor
+    parallelism rank 0's (None on the other ranks)."""
+    if getattr(capacity, "shared", False):
+        local: ElasticSupply | None = capacity.local
+        return local
+    supply: ElasticSupply = capacity
+    return supply
+
+
+def _tokens(capacity: Any, nbytes: int | None) -> int | None:
+    """Cached tokens that hold `nbytes` (None: every one)."""
+    return None if nbytes is None else -(-nbytes // capacity.bytes_per_token)
+
+
+def evict_for(allocator: Any, tree_cache: Any, reclaim: Reclaim) -> tuple[int, int]:
+    """One process's pool gives back what `reclaim` asks, in SGLang's terms: the stock
+    (unused pages) first, then cached prefixes page-first. Returns (tokens evicted,
+    pages returned)."""
     capacity = allocator.kv_capacity
+    if reclaim.reason != "limit":
+        evicted, returned = eviction.give_back(
+            tree_cache, allocator, tokens=_tokens(capacity, reclaim.nbytes)
+        )
+        return evicted, returned
+    returned = allocator.give_back_stock()
+    capacity.allocator.maintain()  # the allocator releases what emptied
     excess = capacity.over_limit()
-    if excess > 0:
-        returned = allocator.give_back_stock()
-        capacity.allocator.maintain()
-        excess = capacity.over_limit()
-        evicted = 0
-        if excess > 0 and tree_cache is not None:
-            tokens = -(-excess // capacity.bytes_per_token)
-            evicted, more = eviction.give_back(tree_cache, allocator, tokens=tokens)
-            returned += more
-        if returned or evicted:
-            log.info(
-                "kvcached: over the limit: %d pages returned, %d cached tokens evicted",
-                returned,
-                evicted,
-            )
+    if excess <= 0 or tree_cache is None:
+        return 0, returned
+    evicted, more = eviction.give_back(tree_cache, allocator, tokens=_tokens(capacity, excess))
+    return evicted, returned + more
+
+
+def _logged(reclaim: Reclaim, evicted: int, returned: int) -> None:
+    if evicted or returned:
+        level = logging.DEBUG if reclaim.reason == "pressure" else logging.INFO  # often
+        log.log(
+            level,
+            "kvcached: %s: %d cached tokens evicted, %d pages returned",
+            reclaim.reason,
+            evicted,
+            returned,
+        )
+
+
+def upkeep(allocator: Any, tree_cache: Any, *, idle: bool) -> Reclaim | None:
+    """Note [One reclaim policy] for one process's pool, now (the hooks call it at most
+    every CHECK_S). Returns what was given back, if anything."""
+    capacity: ElasticSupply = allocator.kv_capacity
+
+    def evict(reclaim: Reclaim) -> None:
+        _logged(reclaim, *evict_for(allocator, tree_cache, reclaim))
+
+    return capacity.upkeep(evict, idle=idle)
+
+
+def _checked(served: tuple[Any, Any], *, idle: bool) -> None:
+    """`upkeep`, at most every CHECK_S."""
+    if not served[0].kv_capacity.check_due():
         return
-    now = time.monotonic()
-    if now - _state.pressure_checked_at >= PRESSURE_EVICT_S and capacity.under_pressure():
-        # at most every PRESSURE_EVICT_S: giving back reads the stock's ids (a GPU wait)
-        # and what goes back may be needed again soon by this instance
-        _state.pressure_checked_at = now
-        group = capacity.allocator.group
-        tokens = group.blocks_per_page * capacity.page_size  # one page id's worth
-        eviction.give_back(tree_cache, allocator, tokens=tokens)
-        capacity.allocator.trim(0)
-
-
-def _checked(served: tuple[Any, Any]) -> None:
-    """`busy_upkeep`, at most every BUSY_CHECK_S."""
-    now = time.monotonic()
-    if now - _state.checked_at >= BUSY_CHECK_S:
-        _state.checked_at = now
-        try:
-            busy_upkeep(*served)
-        except Exception:  # upkeep must never take the scheduler down
-            log.exception("kvcached: upkeep failed")
+    try:
+        upkeep(*served, idle=idle)
+    except Exception:  # upkeep must never take the scheduler down
+        log.exception("kvcached: upkeep failed")
 
 
 def upkeep_between_batches(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `Scheduler.get_next_batch_to_run`."""
     served = _served(scheduler)
     if served is not None and not _shared(served):
-        _checked(served)
+        _checked(served, idle=False)
     plan = original(scheduler, *args, **kwargs)
-    if getattr(plan, "batch_to_run", None) is not None:
-        _state.idle_since = None
-        _state.idle_done = False
+    if served is not None and getattr(plan, "batch_to_run", None) is not None:
+        supply = _deciding(served[0].kv_capacity)
+        if supply is not None:
+            supply.busy()
     return plan
 
 
 def upkeep_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `Scheduler.on_idle`."""
     served = _served(scheduler)
-    if served is not None and _shared(served) and scheduler.is_fully_idle():
-        if _state.idle_since is None:
-            _state.idle_since = time.monotonic()  # rank 0's `decide` reads it
-    elif served is not None and scheduler.is_fully_idle():
-        allocator, tree_cache = served
-        _checked(served)  # a limit lowered while idle is followed too
-        try:
-            debug.maybe_corrupt(allocator)
-            now = time.monotonic()
-            if _state.idle_since is None:
-                _state.idle_since = now
-            from kvcached.config import settings
-
-            idle_for = float(settings().cache_idle_evict)
-            if not _state.idle_done and now - _state.idle_since >= idle_for:
-                _state.idle_done = True
-                evicted, returned = eviction.give_back(tree_cache, allocator, tokens=None)
-                allocator.kv_capacity.allocator.trim(0)
-                log.info(
-                    "kvcached: idle: %d cached tokens evicted, %d pages returned", evicted, returned
-                )
-        except Exception:
-            log.exception("kvcached: idle upkeep failed")
+    if served is not None and scheduler.is_fully_idle():
+        supply = _deciding(served[0].kv_capacity)
+        if supply is not None:
+            supply.idle()  # with tensor parallelism, rank 0's `decide` reads it
+        if not _shared(served):
+            _checked(served, idle=True)  # a limit lowered while idle is followed too
     return original(scheduler, *args, **kwargs)
 
 
@@ -160,27 +156,17 @@ Upkeep = tuple[str, int | None]  # ("limit" | "pressure" | "idle", tokens to evi
 
 def decide(found: Any, capacity: Any) -> Upkeep | None:
     """Rank 0, at every scheduler iteration: the memory every rank must give back now,
-    if any (the same checks as `busy_upkeep` and `upkeep_idle`, at most every
-    BUSY_CHECK_S, none while a release is still waiting for the ranks)."""
-    now = time.monotonic()
-    if found.pool_allocator is None or now - _state.checked_at < BUSY_CHECK_S:
+    if any (Note [One reclaim policy] on rank 0's supply, at most every CHECK_S, none
+    while a release is still waiting for the ranks)."""
+    local: ElasticSupply | None = capacity.local
+    if found.pool_allocator is None or local is None or capacity.releasing():
         return None
-    if capacity.releasing():
+    if not local.check_due():
         return None
-    _state.checked_at = now
-    excess = capacity.over_limit()
-    if excess > 0:
-        return ("limit", -(-excess // capacity.bytes_per_token))
-    if now - _state.pressure_checked_at >= PRESSURE_EVICT_S and capacity.under_pressure():
-        _state.pressure_checked_at = now
-        return ("pressure", capacity.page_id_tokens)
-    from kvcached.config import settings
-
-    idle_since = _state.idle_since
-    idle_for = float(settings().cache_idle_evict)
-    if idle_since is not None and not _state.idle_done and now - idle_since >= idle_for:
-        return ("idle", None)
-    return None
+    reclaim = local.decide(idle=True)  # the clock runs only while the scheduler is idle
+    if reclaim is None:
+        return None
+    return (reclaim.reason, _tokens(capacity, reclaim.nbytes))
 
 
 def carry_out(found: Any, capacity: Any, upkeep: Upkeep) -> None:
@@ -190,8 +176,6 @@ def carry_out(found: Any, capacity: Any, upkeep: Upkeep) -> None:
     allocator = found.pool_allocator
     if allocator is None:
         return
-    if kind == "idle":
-        _state.idle_done = True
     evicted, returned = eviction.give_back(found.tree_cache, allocator, tokens=tokens)
     capacity.release_empty()
     if evicted or returned:

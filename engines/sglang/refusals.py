@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcached.errors import Unsupported
+
 #: kv_cache_dtype values the buffers serve: the model's own dtype, or bf16/fp16 spelled out
 #: (plain element types; quantized formats carry scales the adapter does not place yet)
 SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16")
 
 
-class Refused(RuntimeError):
-    """A configuration the adapter does not support (raised before the engine starts)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"kvcached: {message}. Unset ENABLE_KVCACHED to run without kvcached.")
+#: the adapter's name for kvcached's one "configuration not supported" error: a
+#: refusal of either engine adapter is the same `kvcached.errors.Unsupported`
+Refused = Unsupported
 
 
 def _option(args: Any, name: str, default: Any) -> Any:
@@ -63,24 +63,24 @@ _MUST_BE_OFF: tuple[tuple[str, Any, str], ...] = (
 
 
 def check(args: Any) -> None:
-    """Raise `Refused` for an option the adapter does not support."""
+    """Raise `Unsupported` for an option the adapter does not support."""
     for name, off, why in _MUST_BE_OFF:
         value = getattr(args, name, off)
         if value not in (off, None, False):
-            raise Refused(f"{name}={value!r} is not supported ({why}); run without it")
+            raise Unsupported(f"{name}={value!r} is not supported ({why}); run without it")
     for name in ("pp_size", "dp_size", "dcp_size"):
         size = int(_option(args, name, 1))
         if size != 1:
-            raise Refused(f"{name}={size} is not supported yet; the adapter serves {name}=1")
+            raise Unsupported(f"{name}={size} is not supported yet; the adapter serves {name}=1")
     dtype = str(_option(args, "kv_cache_dtype", "auto"))
     if dtype not in SUPPORTED_KV_DTYPES:
-        raise Refused(
+        raise Unsupported(
             f"kv_cache_dtype={dtype!r} is not supported yet; the adapter serves "
             f"{', '.join(SUPPORTED_KV_DTYPES)} (the model's dtype or plain 16-bit floats)"
         )
     planned = getattr(args, "post_capture_kv_sizing_planned", None)
     if callable(planned) and planned():
-        raise Refused(
+        raise Unsupported(
             "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (SGLang's own CUDA-VMM KV arena) is not "
             "supported together with kvcached, which maps the KV memory itself; unset it"
         )

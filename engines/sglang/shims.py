@@ -1,17 +1,27 @@
 """Every SGLang internal the adapter touches, one declarative entry each.
 
-This table is the adapter's whole contact surface with SGLang. Each entry names a
-target (a dotted path, as SGLang's `HookRegistry` takes it), the SGLang versions it
-was written for, and the hook that wraps it. Every hook is an AROUND hook: it calls
-SGLang's own code and changes one decision (how many bytes the pool may use, where a
-buffer lives, which slots are free). Nothing is replaced wholesale.
+These two tables are the adapter's whole contact surface with SGLang. `SHIMS` are the
+hooks: each names a target (a dotted path, as SGLang's `HookRegistry` takes it), the
+SGLang versions it was written for, and the hook that wraps it. Every hook is an
+AROUND hook: it calls SGLang's own code and changes one decision (how many bytes the
+pool may use, where a buffer lives, which slots are free). Nothing is replaced
+wholesale. `CONTACTS` are everything else the adapter's code reaches: what it imports
+and calls (`get_num_new_pages`, `EvictParams`, the TP group), the options and pool
+attributes it reads, what it writes (the per-layer buffers, the allocator's free
+lists), what it swaps (the built allocator's `__class__`, the radix cache's eviction
+strategy) and the allocator methods its elastic subclass overrides
+(`kvcached.contacts.Contact` says how each is checked).
 
 `install()` runs in every SGLang process once the plugin is enabled. It refuses an
-SGLang version none of the entries was written for, and an entry whose target is
-missing, naming both, before any hook is registered. SGLang's `load_plugins` logs and
-swallows a plugin's exception (and would then run without kvcached), so a refusal is
-also made to stop the engine: it is raised again from the construction of SGLang's
-`ServerArgs`, the first thing an `Engine` or server builds after loading plugins.
+SGLang version none of the entries was written for, and an entry of either table whose
+target is missing, naming both, before any hook is registered. SGLang's `load_plugins`
+logs and swallows a plugin's exception (and would then run without kvcached), so a
+refusal is also made to stop the engine: it is raised again from the construction of
+SGLang's `ServerArgs`, the first thing an `Engine` or server builds after loading
+plugins. A test scans the adapter's code for what it imports from SGLang and for the
+private names it reaches, and fails when one is not in a table; the tables are checked
+against the places recorded from SGLang's wheel (tests/engine_facts/), and
+docs/engines/shims.md is rendered from them (scripts/render_shims.py).
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvcached.contacts import Contact, missing
 
 log = logging.getLogger("sglang.kvcached")
 
@@ -45,6 +57,13 @@ class Shim:
     target: str
     versions: tuple[str, ...]
     hook: Callable[[], Hook]  # imported lazily: the hook's module needs torch/SGLang
+    how: str = "wraps"  # an AROUND hook: SGLang's own code runs inside it
+    optional: bool = False  # every SGLang target is required
+
+    @property
+    def used_in(self) -> str:
+        """The adapter module that holds the hook."""
+        return f"{getattr(self.hook, 'module', '?')}.py"
 
 
 def _hook(module: str, name: str) -> Callable[[], Hook]:
@@ -52,6 +71,7 @@ def _hook(module: str, name: str) -> Callable[[], Hook]:
         found: Hook = getattr(importlib.import_module(f"kvcached.engines.sglang.{module}"), name)
         return found
 
+    load.module = module  # type: ignore[attr-defined]  # for `Shim.used_in`
     return load
 
 
@@ -117,9 +137,233 @@ SHIMS: tuple[Shim, ...] = (
     ),
 )
 
-#: internals the adapter calls without hooking them; a moved one is refused the same way
-USES: tuple[tuple[str, str], ...] = (
-    ("tensor-parallel group", "sglang.srt.distributed.parallel_state.get_tp_group"),
+_ALLOCATORS = "sglang.srt.mem_cache.allocator"
+_BASE_ALLOCATOR = f"{_ALLOCATORS}.BaseTokenToKVPoolAllocator"
+_RADIX = "sglang.srt.mem_cache.radix_cache"
+_PREFIX = "sglang.srt.mem_cache.base_prefix_cache"
+_ARGS = "sglang.srt.server_args.ServerArgs"
+_GROUP = "sglang.srt.distributed.parallel_state.GroupCoordinator"
+
+
+def _contacts(concern: str, how: str, used_in: str, targets: Sequence[str]) -> tuple[Contact, ...]:
+    return tuple(Contact(concern, target, SUPPORTED, how, used_in) for target in targets)
+
+
+#: everything else the adapter reaches (imports, calls, reads, writes, swaps); a moved
+#: one is refused at start-up the same way
+CONTACTS: tuple[Contact, ...] = (
+    # refusals.py: the options SGLang completed (after ServerArgs.__post_init__)
+    *_contacts(
+        "refusals",
+        "reads",
+        "refusals.py",
+        [
+            f"{_ARGS}.{name}"
+            for name in (
+                "enable_hierarchical_cache",
+                "enable_lmcache",
+                "disaggregation_mode",
+                "enable_dp_attention",
+                "enable_memory_saver",
+                "enable_hisparse",
+                "enable_unified_memory",
+                "speculative_algorithm",
+                "tp_size",
+                "pp_size",
+                "dp_size",
+                "dcp_size",
+                "kv_cache_dtype",
+                "post_capture_kv_sizing_planned",
+            )
+        ],
+    ),
+    # sizing.py: the configurator's view of the model
+    *_contacts(
+        "pool size",
+        "reads",
+        "sizing.py",
+        [
+            f"{_CONFIGURATOR}.{name}"
+            for name in (
+                "server_args",
+                "model_config",
+                "is_hybrid_swa",
+                "mambaish_config",
+                "is_draft_worker",
+            )
+        ]
+        + ["sglang.srt.configs.model_config.ModelConfig.model_path"],
+    ),
+    # buffers.py: the pool's shape, and the buffers it gets instead of torch.zeros
+    *_contacts(
+        "MHA buffers",
+        "reads",
+        "buffers.py",
+        [
+            f"{_POOLS}.MHATokenToKVPool.{name}"
+            for name in (
+                "kv_cache_layout",
+                "use_hnd",
+                "head_num",
+                "head_dim",
+                "v_head_dim",
+                "layer_num",
+                "store_dtype",
+                "size",
+                "page_size",
+                "device",
+            )
+        ],
+    ),
+    *_contacts(
+        "MHA buffers",
+        "writes",
+        "buffers.py",
+        [f"{_POOLS}.MHATokenToKVPool.k_buffer", f"{_POOLS}.MHATokenToKVPool.v_buffer"],
+    ),
+    *_contacts(
+        "MLA buffers",
+        "reads",
+        "buffers.py",
+        [
+            f"{_POOLS}.MLATokenToKVPool.{name}"
+            for name in ("kv_cache_dim", "layer_num", "store_dtype", "size", "page_size", "device")
+        ],
+    ),
+    Contact(
+        "MLA buffers", f"{_POOLS}.MLATokenToKVPool.kv_buffer", SUPPORTED, "writes", "buffers.py"
+    ),
+    # allocator.py: the built allocator's `__class__` becomes an elastic subclass of its
+    # own class, whose methods wrap SGLang's
+    *_contacts(
+        "token allocator (its class swapped for an elastic subclass)",
+        "swaps",
+        "allocator.py",
+        [f"{_ALLOCATORS}.TokenToKVPoolAllocator", f"{_ALLOCATORS}.PagedTokenToKVPoolAllocator"],
+    ),
+    *_contacts(
+        "token allocator",
+        "overrides",
+        "allocator.py",
+        [
+            f"{_BASE_ALLOCATOR}.{name}"
+            for name in (
+                "available_size",
+                "alloc",
+                "alloc_extend",
+                "alloc_decode",
+                "backup_state",
+                "restore_state",
+                "clear",
+                "resize",
+            )
+        ],
+    ),
+    *_contacts(
+        "token allocator: the stock of mapped pages",
+        "writes",
+        "allocator.py",
+        [f"{_BASE_ALLOCATOR}.free_pages", f"{_BASE_ALLOCATOR}.release_pages"],
+    ),
+    *_contacts(
+        "token allocator",
+        "reads",
+        "allocator.py",
+        [f"{_BASE_ALLOCATOR}.page_size", f"{_BASE_ALLOCATOR}.device"],
+    ),
+    Contact(
+        "token allocator: pages an allocation needs",
+        "sglang.srt.utils.get_num_new_pages",
+        SUPPORTED,
+        "imports",
+        "allocator.py",
+    ),
+    *_contacts(
+        "idle invariant check",
+        "reads",
+        "allocator.py",
+        [
+            f"{_CHECKER}.SchedulerInvariantChecker.token_to_kv_pool_allocator",
+            "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
+            ".full_available_size",
+        ],
+    ),
+    Contact(
+        "idle invariant check (the total it checks against)",
+        f"{_CHECKER}.SchedulerInvariantChecker.max_total_num_tokens",
+        SUPPORTED,
+        "swaps",
+        "allocator.py",
+    ),
+    # eviction.py: SGLang's own radix-cache eviction, in a page-first order
+    Contact("eviction", f"{_PREFIX}.EvictParams", SUPPORTED, "imports", "eviction.py"),
+    *_contacts(
+        "eviction",
+        "reads",
+        "eviction.py",
+        [
+            f"{_PREFIX}.EvictParams.num_tokens",
+            f"{_PREFIX}.EvictResult.num_tokens_evicted",
+            f"{_RADIX}.RadixCache.evictable_leaves",
+            f"{_RADIX}.TreeNode.value",
+        ],
+    ),
+    *_contacts(
+        "eviction",
+        "calls",
+        "eviction.py",
+        [f"{_RADIX}.RadixCache.evict", f"{_RADIX}.RadixCache.evictable_size"],
+    ),
+    Contact(
+        "eviction (the order: page-first)",
+        f"{_RADIX}.RadixCache.eviction_strategy",
+        SUPPORTED,
+        "swaps",
+        "eviction.py",
+    ),
+    Contact(
+        "eviction (the order: page-first)",
+        "sglang.srt.mem_cache.evict_policy.EvictionStrategy.get_priority",
+        SUPPORTED,
+        "stands in for",
+        "eviction.py",
+    ),
+    # lifecycle.py: the scheduler's allocator, cache and idleness
+    *_contacts(
+        "upkeep",
+        "reads",
+        "lifecycle.py",
+        [
+            f"{_SCHEDULER}.token_to_kv_pool_allocator",
+            f"{_SCHEDULER}.tree_cache",
+            "sglang.srt.managers.schedule_batch.NextBatchPlan.batch_to_run",
+        ],
+    ),
+    Contact("upkeep while idle", f"{_SCHEDULER}.is_fully_idle", SUPPORTED, "calls", "lifecycle.py"),
+    # tensor_parallel.py: the ranks' CPU group, for the decisions rank 0 broadcasts
+    Contact(
+        "tensor-parallel group",
+        "sglang.srt.distributed.parallel_state.get_tp_group",
+        SUPPORTED,
+        "imports",
+        "tensor_parallel.py",
+    ),
+    *_contacts(
+        "tensor-parallel group",
+        "reads",
+        "tensor_parallel.py",
+        [f"{_GROUP}.{name}" for name in ("world_size", "cpu_group", "ranks", "rank_in_group")],
+    ),
+    # shims.py: the registry every hook goes through
+    *_contacts(
+        "hook registration",
+        "imports",
+        "shims.py",
+        [
+            "sglang.srt.plugins.hook_registry.HookRegistry",
+            "sglang.srt.plugins.hook_registry.HookType",
+        ],
+    ),
 )
 
 
@@ -131,45 +375,33 @@ def sglang_version() -> str:
         return "not installed"
 
 
-def _resolve(target: str) -> Any:
-    """The object a dotted `target` names (a module attribute or a class attribute)."""
-    parts = target.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            owner: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            owner = getattr(owner, name)
-        return owner
-    raise ImportError(f"no module of {target} can be imported")
-
-
 def plan(
     version: str,
     shims: Sequence[Shim] = SHIMS,
-    resolve: Callable[[str], Any] = _resolve,
-    uses: Sequence[tuple[str, str]] = USES,
+    find: Callable[..., str | None] = missing,
+    contacts: Sequence[Contact] = CONTACTS,
 ) -> list[Shim]:
-    """The entries to install on SGLang `version`; `UnsupportedSglang`, naming the
-    version and the target, when the version is not supported or a target moved."""
+    """The hooks to register on SGLang `version`; `UnsupportedSglang`, naming the
+    version and the target, when the version is not supported or a target of either
+    table moved. `find` says why a target is missing (None: it is there)."""
     if version not in SUPPORTED:
         raise UnsupportedSglang(
             f"kvcached's SGLang adapter supports SGLang {', '.join(SUPPORTED)}; this is "
             f"SGLang {version}. Unset ENABLE_KVCACHED to run SGLang without kvcached."
         )
     chosen = [shim for shim in shims if version in shim.versions]
-    needed = [(shim.concern, shim.target) for shim in chosen] + list(uses)
-    for concern, target in needed:
-        try:
-            resolve(target)
-        except (ImportError, AttributeError) as exc:
+    needed: list[Shim | Contact] = [*chosen]
+    needed += [c for c in contacts if version in c.versions and not c.optional]
+    for entry in needed:
+        # a hook's target must be a real attribute; a contact may be an instance's
+        reason = find(entry.target, declared=isinstance(entry, Contact))
+        if reason is not None:
             raise UnsupportedSglang(
-                f"kvcached's SGLang adapter ({concern}) needs {target}, which "
-                f"SGLang {version} does not have ({exc}); this SGLang build moved an "
+                f"kvcached's SGLang adapter ({entry.concern}) needs {entry.target}, which "
+                f"SGLang {version} does not have ({reason}); this SGLang build moved an "
                 "internal the adapter was written for. Unset ENABLE_KVCACHED to run "
                 "without kvcached."
-            ) from None
+            )
     return chosen
 
 
@@ -192,7 +424,7 @@ def install() -> None:
 
     version = sglang_version()
     try:
-        chosen = plan(version)
+        chosen = plan(version, SHIMS, missing, CONTACTS)
     except UnsupportedSglang as refusal:
         _refuse_at_start(HookRegistry, HookType, refusal)
         raise

@@ -18,13 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvcached.engines.sglang import refusals, tensor_parallel
+from kvcached.engines.sglang import instance, refusals, tensor_parallel
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
-
-#: the model the scheduler serves (names the ledger row), set while sizing
-planned_model: str | None = None
 
 
 def check_model(configurator: Any) -> None:
@@ -42,7 +39,6 @@ def check_model(configurator: Any) -> None:
 
 def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> int:
     """AROUND `KVCacheConfigurator._profile_available_bytes`: the ledger's budget."""
-    global planned_model
     from kvcached.cache import open_device_ledger
     from kvcached.registry import framework_device, get_backend
 
@@ -51,7 +47,7 @@ def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kw
     refusals.check(getattr(configurator, "server_args", None))
     check_model(configurator)
     model_config = getattr(configurator, "model_config", None)
-    planned_model = getattr(model_config, "model_path", None)
+    instance.slot.planned_model = getattr(model_config, "model_path", None)  # names the row
     with open_device_ledger(get_backend(device=framework_device())) as ledger:
         budget = int(ledger.budget)
     channel = tensor_parallel.sglang_channel()

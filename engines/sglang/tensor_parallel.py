@@ -38,18 +38,18 @@ and `gather` (`ProcessGroupChannel` over a torch.distributed group; SGLang's TP 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvcached.engines.sglang import instance
-from kvcached.engines.sglang.capacity import RACE_RETRY_S, ElasticCapacity
+from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.geometry import PADDING_PAGE, PoolGeometry
 from kvcached.engines.sglang.instance import SglangInstance
 from kvcached.engines.sglang.refusals import Refused
 from kvcached.replay import Op, RecordingBackend, Replica
+from kvcached.supply import RACE_RETRY_S
 
 log = logging.getLogger("sglang.kvcached")
 
@@ -108,7 +108,7 @@ class ProcessGroupChannel:
 
 def sglang_channel() -> ProcessGroupChannel | None:
     """This scheduler's TP group as a channel, or None with one rank (`get_tp_group` is
-    in shims.USES: a moved one is refused at start-up)."""
+    in shims.CONTACTS: a moved one is refused at start-up)."""
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
@@ -181,7 +181,6 @@ class SharedCapacity:
         self.local = local
         self.recording = recording
         self._counts = Counts(obtainable=0, used=0, kept_aside=0)
-        self._releasing: threading.Thread | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -313,17 +312,11 @@ class SharedCapacity:
     def release_empty(self) -> None:
         """Rank 0 gives empty extents back on a helper thread: the refund waits until
         every rank has unmapped, which this (the scheduler's) thread delivers."""
-        local = self.local
-        if local is None or self.releasing():
-            return
-        thread = threading.Thread(
-            target=local.release_empty, name="kvcached-sglang-release", daemon=True
-        )
-        self._releasing = thread
-        thread.start()
+        if self.local is not None:
+            self.local.release_empty(wait=False)
 
     def releasing(self) -> bool:
-        return self._releasing is not None and self._releasing.is_alive()
+        return self.local is not None and self.local.releasing()
 
     # --------------------------------------------------- rank 0's judgement
     def over_limit(self) -> int:

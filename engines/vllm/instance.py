@@ -6,13 +6,13 @@ allocator. The scheduler's block pool (`block_pool.py`), built later in the same
 process, finds it here and draws block ids from its allocator. Block 0 is vLLM's null
 block (padded and dummy runs write to it): it is taken from the allocator as soon as
 the cache exists, so its page is mapped before any warm-up run and is never handed
-out or released.
+out or released. The instance is held in a `kvcached.supply.InstanceSlot`, as the SGLang
+adapter's is.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,17 +20,16 @@ from kvcached import config
 from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache, start_engine_cache
 from kvcached.replay import RecordingBackend
+from kvcached.supply import InstanceSlot
 
 log = logging.getLogger("vllm.kvcached")  # shown by vLLM's own log handler
 
 NULL_BLOCK = 0
 
-_lock = threading.Lock()
-_current: VllmInstance | None = None
+#: this process's instance, and the model the engine core serves (names the ledger row)
+slot: InstanceSlot[VllmInstance] = InstanceSlot()
 #: the block count the engine core sized the pool with (None: not sized by kvcached)
 planned_blocks: int | None = None
-#: the model the engine core serves (names the ledger row)
-planned_model: str | None = None
 #: the engine core's executor, while it sizes the pool (to reach the workers)
 executor: Any = None
 #: in a worker of a tensor-parallel engine: its replica, and the ops it starts with
@@ -85,40 +84,34 @@ def start(
     """Create this process's instance over `backing` (replacing an earlier one);
     `copies`: {device: processes holding its memory there} (tensor-parallel ranks
     replaying it; see `KVCache`), default this process alone."""
-    global _current
-    with _lock:
-        if _current is not None:
-            _current.close()
-        _current = VllmInstance(backing, name=instance_name(model), copies=copies)
-        log.info("kvcached: %s, %r", _current.name, backing)
-        return _current
+    made = slot.replace(lambda: VllmInstance(backing, name=instance_name(model), copies=copies))
+    log.info("kvcached: %s, %r", made.name, backing)
+    return made
 
 
 def current() -> VllmInstance | None:
-    return _current
+    """This process's instance, None before it is made and once it is closed."""
+    return slot.current()
 
 
 def recorder() -> RecordingBackend | None:
     """The op log of this process's instance when workers replay it, else None."""
-    found = _current
-    return None if found is None or found.closed else found.recording
+    found = slot.current()
+    return None if found is None else found.recording
 
 
 def close() -> None:
     """Close this process's instance: pages unmapped, ledger row removed. Idempotent."""
-    global _current, replica
-    with _lock:
-        if _current is not None:
-            _current.close()
-            _current = None
-        if replica is not None:
-            replica.close()
-            replica = None
+    global replica
+    slot.close()
+    if replica is not None:
+        replica.close()
+        replica = None
 
 
 def require() -> VllmInstance:
-    found = _current
-    if found is None or found.closed:
+    found = slot.current()
+    if found is None:
         raise RuntimeError(
             "kvcached: vLLM built its block pool before kvcached sized it (the engine "
             "core's KV initialisation did not run through the adapter). Unset "

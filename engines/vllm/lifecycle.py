@@ -9,11 +9,13 @@ SIGKILLed engine closes nothing: the ledger reclaims its row once the process is
 Idle upkeep. A separate engine process (the default, and `vllm serve`) blocks on its
 input queue while no request runs, so nothing would evict the retained prefix-cache
 blocks of an idle instance. A small timer thread watches for that and, when there is
-work (an idle instance holding retained blocks, or one over its limit), asks the engine
-loop to run the upkeep on its own thread: it queues the upkeep as an idle-state callback
-and wakes the loop with vLLM's own no-op WAKEUP request. An in-process engine (`LLM`
-with VLLM_ENABLE_V1_MULTIPROCESSING=0) has no loop: its upkeep rides on the scheduler's
-next call, and its retained blocks stay until then.
+work (an instance holding retained blocks that kvcached's Note [One reclaim policy]
+says must go back: over its limit, under budget pressure, or idle long enough, see
+`ElasticFreeQueue.upkeep_due`), asks the engine loop to run the upkeep on its own
+thread: it queues the upkeep as an idle-state callback and wakes the loop with vLLM's
+own no-op WAKEUP request. An in-process engine (`LLM` with
+VLLM_ENABLE_V1_MULTIPROCESSING=0) has no loop: its limit and pressure checks ride on the
+scheduler's next call, and its idle eviction waits for an upkeep call.
 """
 
 from __future__ import annotations
@@ -69,13 +71,7 @@ def _upkeep_due(idle_for: float) -> bool:
         return True  # releases wait for the workers to replay them
     found = instance.current()
     queue = getattr(getattr(found, "pool", None), "free_block_queue", None)
-    if queue is None or not queue._retained:
-        return False
-    allocator = queue._allocator
-    if allocator.reserved_bytes > allocator.effective_limit:
-        return True
-    since = queue._idle_since
-    return since is not None and time.monotonic() - since >= idle_for
+    return queue is not None and bool(queue.upkeep_due(idle_for))
 
 
 def _watch(engine: Any) -> None:
@@ -94,13 +90,10 @@ def _watch(engine: Any) -> None:
         if pool is None:
             return
         try:
-            evicted = pool.free_block_queue.idle_upkeep(idle_for)
+            pool.free_block_queue.idle_upkeep(idle_for)  # logs what it evicts
             flush_while_idle(engine)
         except Exception:  # upkeep must never take the engine down; it retries next tick
             log.exception("kvcached: idle upkeep failed")
-            return
-        if evicted:
-            log.info("kvcached: evicted %d idle prefix-cache blocks", evicted)
 
     while instance.current() is not None:  # the engine closed it: nothing left to watch
         time.sleep(IDLE_TICK_S)

@@ -65,7 +65,7 @@ def _start_scheduler_instance(
     recording = RecordingBackend.standing_in_for(backend)
     geometry = geometry_of(kv_cache_config, recording.granularity)
     backing = geometry.backing(recording)
-    instance.start(backing, model=instance.planned_model, copies=devices)
+    instance.start(backing, model=instance.slot.planned_model, copies=devices)
     first, ops = recording.take()
     executor.collective_rpc(plan_on_worker, args=(instance.planned_blocks, first, ops))
 
@@ -115,7 +115,7 @@ def sized_by_kvcached(original: Callable[..., Any]) -> Callable[..., Any]:
         memory = [blocks * page * len(worker) for worker in kv_cache_specs]
         configs = original(vllm_config, kv_cache_specs, memory)
         instance.planned_blocks = int(configs[0].num_blocks)
-        instance.planned_model = getattr(vllm_config.model_config, "model", None)
+        instance.slot.planned_model = getattr(vllm_config.model_config, "model", None)
         if devices:
             _start_scheduler_instance(backend, configs[0], devices)
         log.info(

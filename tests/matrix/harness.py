@@ -1,6 +1,6 @@
 """The compatibility matrix: each architecture on an engine, with and without kvcached.
 
-For every row of `kvcached.random_arch.ARCHITECTURES` it builds the random-weight model,
+For every row of `kvcached.testing.random_arch.ARCHITECTURES` it builds the random-weight model,
 runs greedy generation once with the engine alone and once with kvcached (a fresh
 process each: `tests/vllm_engine/generate.py`, or `tests/sglang_engine/generate.py`
 with ``--engine sglang``), and records one outcome:
@@ -257,7 +257,7 @@ def assert_corruption_proves_failure(verdict: dict[str, Any]) -> None:
 
 def engine_batch(engine: str, name: str, *, gpu: bool) -> tuple[str, ...]:
     """The generate script's arguments for row `name` on `engine`."""
-    from kvcached.random_arch import ARCHITECTURES
+    from kvcached.testing.random_arch import ARCHITECTURES
 
     arch = ARCHITECTURES[name]
     if engine == "sglang":
@@ -277,7 +277,7 @@ def run_row(
     timeout: float = 900,
 ) -> dict[str, Any]:
     """One row's cell; `timeout` (seconds) bounds the row's runs together."""
-    from kvcached.random_arch import ARCHITECTURES, make_arch_model
+    from kvcached.testing.random_arch import ARCHITECTURES, make_arch_model
 
     arch = ARCHITECTURES[name]
     row = {"architecture": name, "representative": arch.representative, "class": arch.architecture}
@@ -383,7 +383,7 @@ DEADLINE_GRACE_S = 60.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvcached.random_arch import ARCHITECTURES
+    from kvcached.testing.random_arch import ARCHITECTURES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rows", nargs="*", help=f"rows to run (default all: {list(ARCHITECTURES)})")

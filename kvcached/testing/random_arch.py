@@ -441,7 +441,7 @@ def make_arch_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvcached.random_model import _tokenizer
+    from kvcached.testing.random_model import _tokenizer
 
     arch = ARCHITECTURES[name]
     folder = Path(folder)

