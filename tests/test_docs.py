@@ -6,6 +6,7 @@ built by `make docs`; these tests need no MkDocs.
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from importlib.metadata import EntryPoint
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import render_cli_reference  # noqa: E402
 import render_performance  # noqa: E402
+import render_shims  # noqa: E402
 
 
 def test_committed_cli_reference_is_rendered_from_the_installed_commands() -> None:
@@ -29,6 +31,25 @@ def test_committed_cli_reference_is_rendered_from_the_installed_commands() -> No
 def test_committed_performance_page_is_rendered_from_the_committed_results() -> None:
     page = (ROOT / "docs" / "performance.md").read_text()
     assert page == render_performance.render()  # regenerate, never edit by hand
+
+
+def test_committed_shim_tables_page_is_rendered_from_the_adapters_tables() -> None:
+    page = (ROOT / "docs" / "engines" / "shims.md").read_text()
+    assert page == render_shims.render()  # regenerate, never edit by hand
+
+
+def test_shim_tables_page_lists_every_entry_of_both_tables() -> None:
+    from kvcached.engines.sglang import shims as sglang_shims
+    from kvcached.engines.vllm import shims as vllm_shims
+
+    page = render_shims.render()
+    for module in (vllm_shims, sglang_shims):
+        for entry in (*module.SHIMS, *module.CONTACTS):
+            assert f"| `{entry.target}` |" in page, entry.target
+    # the internals the issue found missing from the old tables are on the page
+    for name in ("_maybe_evict_cached_block", "EngineCoreRequestType", "get_num_new_pages"):
+        assert name in page
+    assert "engines/shims.md" in (ROOT / "mkdocs.yml").read_text()
 
 
 def test_cli_reference_covers_every_command_and_option_of_each_script() -> None:
@@ -92,5 +113,43 @@ def test_performance_page_names_the_file_and_machine_of_every_table() -> None:
         block = page.split(f"### {section.title}\n", 1)[1].split("\n### ", 1)[0]
         for name in section.files:
             assert f"`benchmarks/results/{name}`" in block
-        machine = render_performance.MACHINES[section.files[0].split("-", 1)[0]]
+        machine = render_performance.MACHINES[render_performance.machine_key(section.files[0])]
         assert machine in block
+
+
+_PER_HANDLE = re.compile(r"(handle|cuMemSetAccess|set-access|set access)", re.IGNORECASE)
+_MICROSECONDS = re.compile(r"\d(?:[\d.,\u2013-]*\d)?\s*(?:µs|us)\b")  # ranges: 51-58 µs
+
+
+def per_handle_figures_without_a_source(text: str) -> list[str]:
+    """The paragraphs of `text` that quote a per-handle cost in µs without naming the
+    benchmarks/results/ file it comes from."""
+    return [
+        " ".join(paragraph.split())[:120]
+        for paragraph in re.split(r"\n\s*\n|\n\s*[-*] ", text)  # paragraphs, list items
+        if _PER_HANDLE.search(paragraph)
+        and _MICROSECONDS.search(paragraph)
+        and not re.search(r"benchmarks/results/|\w+\.jsonl", paragraph)
+    ]
+
+
+def test_every_per_handle_cost_names_the_results_file_it_comes_from() -> None:
+    quoted = [
+        *sorted((ROOT / "docs").rglob("*.md")),
+        ROOT / "README.md",
+        *sorted((ROOT / "kvcached").rglob("*.py")),
+        *sorted((ROOT / "engines").rglob("*.py")),
+        *sorted((ROOT / "apps").rglob("*.py")),
+    ]
+    lost = {
+        str(path.relative_to(ROOT)): found
+        for path in quoted
+        if (found := per_handle_figures_without_a_source(path.read_text()))
+    }
+    assert lost == {}
+    unsourced = "Mapping costs ~60 µs per handle whatever its size.\n\nNext paragraph."
+    assert per_handle_figures_without_a_source(unsourced) == [
+        "Mapping costs ~60 µs per handle whatever its size."
+    ]
+    sourced = "~60 µs per handle (`benchmarks/results/x/grow_shrink_cuda.jsonl`)."
+    assert per_handle_figures_without_a_source(sourced) == []
