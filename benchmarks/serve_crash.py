@@ -70,29 +70,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the engines run as in the main job: tiny-model vLLM-CPU arguments, idle pages given back
+from kvcached.apps.serve_demo import ENGINE_ENV, VLLM_CPU_ARGS
+
 MiB = 1 << 20
 MODELS = {"alpha": 0, "beta": 1}  # name -> weights seed
 VICTIM = "alpha"
-#: engine arguments that make vLLM-CPU fit the tiny model (as the serve demo uses)
-VLLM_CPU_ARGS = [
-    "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-    "--max-num-seqs", "12", "--gpu-memory-utilization", "0.2",
-    "--disable-uvicorn-access-log",
-]  # fmt: skip
-#: settings of every engine, as the serve demo's: the host backend in small pages, idle
-#: pages given back
-ENGINE_ENV = {
-    "KVCACHED_BACKEND": "host",
-    "KVCACHED_HOST_GRANULARITY": "64KiB",
-    "KVCACHED_EXTENT_SIZE": "64KiB",
-    "KVCACHED_POOL_LOW": "0",
-    "KVCACHED_POOL_HIGH": "0",
-    "KVCACHED_POOL_RELEASE_DELAY": "0.2",
-    "KVCACHED_CACHE_IDLE_EVICT": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-}
 
 
 @dataclass(frozen=True)

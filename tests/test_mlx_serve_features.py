@@ -375,14 +375,15 @@ def test_serve_mlx_options_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(serve_module, "serve", lambda models, **kw: seen.update(kw, models=models))
     args = ["serve-mlx", "a=/m/a", "org/b", "--keep-alive", "5m", "--max-loaded-models", "1",
             "--max-queue", "3", "--queue-timeout", "9", "--max-tokens", "512",
-            "--chat-template", "a=t.jinja", "--log-level", "debug"]  # fmt: skip
+            "--chat-template", "a=t.jinja", "--log-level", "debug", "--max-batch", "4",
+            "--prompt-cache", "8"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert seen == {
         "models": ["a=/m/a", "org/b"], "host": "127.0.0.1", "port": 8080,
         "log_level": "debug", "keep_alive_s": 300.0, "budget": None, "max_loaded": 1,
         "max_queue": 3, "queue_timeout_s": 9.0, "max_tokens": 512,
-        "chat_templates": ["a=t.jinja"],
+        "chat_templates": ["a=t.jinja"], "max_batch": 4, "prompt_cache_size": 8,
     }  # fmt: skip
     forever = CliRunner().invoke(app, ["serve-mlx", "x", "--keep-alive", "-1"])
     assert forever.exit_code == 0 and seen["keep_alive_s"] == math.inf

@@ -133,7 +133,9 @@ def test_serve_runs_until_a_signal_then_stops_every_engine(
         assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
         wait_for(lambda: not alive(engine_pid), "the engine to be gone", timeout=10)
         assert rows(tmp_path) == {}
-        with socket.socket() as s:  # the router's port is free again
+        with socket.socket() as s:  # the router's port is free again (for a server that,
+            # as uvicorn does, reuses an address closed connections leave in TIME_WAIT)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:

@@ -207,5 +207,7 @@ def test_sigterm_stops_every_engine_and_leaves_nothing_behind(served: Served) ->
     for key in existing_keys(served.ledger_dir):
         with Ledger.open(key, directory=served.ledger_dir, create=False) as ledger:
             assert ledger.rows() == []
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", served.port))  # the router's port is free again
+    with socket.socket() as s:  # the router's port is free for a new server again (which,
+        # as uvicorn does, reuses an address that closed connections leave in TIME_WAIT)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", served.port))
