@@ -169,8 +169,11 @@ def test_per_request_options_hold_in_a_batch(running: Running) -> None:
     calls: list[Callable[[], Any]] = [seeded, stopped, scored, greedy]
     alone = [call() for call in calls]
     assert alone[1] == (full[: full.index(stop)], "stop")
-    before = dict(scheduler(running).steps)
-    batched = together(running, calls)
+    for _ in range(5):  # on a loaded machine the four may not all overlap: try again
+        before = dict(scheduler(running).steps)
+        batched = together(running, calls)
+        if scheduler(running).steps.get(4, 0) > before.get(4, 0):
+            break
     assert scheduler(running).steps.get(4, 0) > before.get(4, 0)  # precondition: batched
     assert batched[0] == alone[0]  # same seed, same text
     assert batched[1] == alone[1] and batched[3] == alone[3]
