@@ -17,6 +17,25 @@ import httpx
 import yaml
 
 
+def ledger_rows(tmp_path: Path, budget: int) -> dict[str, Any]:
+    """The rows of the default device ledger under `tmp_path/ledger`, by name."""
+    from kvcached.ledger import Ledger, default_key
+
+    ledger = Ledger.open(default_key(), budget=budget, directory=tmp_path / "ledger")
+    try:
+        return {row.name: row for row in ledger.rows()}
+    finally:
+        ledger.close()
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -20,13 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
+from serve_harness import ledger_rows, process_exists  # tests/, on sys.path under pytest
 
 from kvcached.apps.serve import app
 from kvcached.apps.serve.config import ModelSpec, ServeConfig
 from kvcached.apps.serve.launchers import Launcher
 from kvcached.apps.serve.state import ModelState
 from kvcached.apps.serve.supervisor import group_alive
-from kvcached.ledger import Ledger, default_key
 
 MiB = 1 << 20
 FAKE_ENGINE = Path(__file__).with_name("serve_fake_engine.py")
@@ -69,19 +68,7 @@ def config_data(tmp_path: Path, port: int) -> dict[str, Any]:
 
 
 def rows(tmp_path: Path) -> dict[str, Any]:
-    ledger = Ledger.open(default_key(), budget=64 * MiB, directory=tmp_path / "ledger")
-    try:
-        return {row.name: row for row in ledger.rows()}
-    finally:
-        ledger.close()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return ledger_rows(tmp_path, 64 * MiB)
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30) -> Any:
@@ -128,10 +115,10 @@ def test_serve_runs_until_a_signal_then_stops_every_engine(
             assert client.get("/dashboard").status_code == 200
             assert "kvcached_serve_requests_total" in client.get("/metrics").text
         engine_pid = rows(tmp_path)["m"].pid
-        assert alive(engine_pid)
+        assert process_exists(engine_pid)
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
-        wait_for(lambda: not alive(engine_pid), "the engine to be gone", timeout=10)
+        wait_for(lambda: not process_exists(engine_pid), "the engine to be gone", timeout=10)
         assert rows(tmp_path) == {}
         with socket.socket() as s:  # the router's port is free again (for a server that,
             # as uvicorn does, reuses an address closed connections leave in TIME_WAIT)
@@ -212,7 +199,7 @@ def test_a_crash_of_the_server_still_stops_the_engines(
     config = ServeConfig.model_validate(config_data(tmp_path, free_port()))
     with pytest.raises(RuntimeError, match="boom"):
         asyncio.run(asyncio.wait_for(app.serve(config, launchers={"vllm": FAKE}), 60))
-    assert not alive(seen["pid"])
+    assert not process_exists(seen["pid"])
     assert rows(tmp_path) == {}
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from serve_harness import ledger_rows, process_exists  # tests/, on sys.path under pytest
 
 from kvcached.apps.serve import launchers
 from kvcached.apps.serve.config import ModelSpec, ServeConfig
@@ -36,7 +37,7 @@ from kvcached.apps.serve.supervisor import (
     Supervisor,
 )
 from kvcached.errors import InvalidArgument
-from kvcached.ledger import Ledger, default_key
+from kvcached.ledger import Ledger
 
 MiB = 1 << 20
 FAKE_ENGINE = Path(__file__).with_name("serve_fake_engine.py")
@@ -92,19 +93,7 @@ def supervisor(cfg: ServeConfig, **kwargs: Any) -> Supervisor:
 
 
 def rows(tmp_path: Path) -> dict[str, Any]:
-    ledger = Ledger.open(default_key(), budget=64 * MiB, directory=tmp_path / "ledger")
-    try:
-        return {row.name: row for row in ledger.rows()}
-    finally:
-        ledger.close()
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return ledger_rows(tmp_path, 64 * MiB)
 
 
 def port_open(port: int) -> bool:
