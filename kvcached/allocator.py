@@ -386,6 +386,7 @@ class PageAllocator(Closeable):
         self._floor = 0
         self._demand = 0  # blocks asked for by allocs that are growing the pool
         self._refill_failed_at = -float("inf")
+        self._growth_paused = False  # `pause_growth`: maintain() maps nothing ahead
         self._reported_used = -1
         self._closed = False
         self._forked_from: int | None = None  # the parent's pid, in a forked child
@@ -589,10 +590,12 @@ class PageAllocator(Closeable):
         self._book.return_range(start, npages)
         self._cond.notify_all()
 
-    def _grow(self, want: int, limit: int) -> int:
-        """Map up to `want` page ids as one extent; the page ids mapped (0: refused)."""
+    def _grow(self, want: int, limit: int, *, ahead: bool = False) -> int:
+        """Map up to `want` page ids as one extent; the page ids mapped (0: refused).
+        `ahead`: growth no caller waits for, which `pause_growth` stops (checked under
+        the lock that the claim takes, so no such growth starts after the pause)."""
         with self._lock:
-            if self._closed:
+            if self._closed or (ahead and self._growth_paused):
                 return 0
             claim = self._claim(want, limit)
         if claim is None:
@@ -789,10 +792,13 @@ class PageAllocator(Closeable):
                 if not release and not book.any_draining():
                     held = self._reserved + self._inflight - self._releasing
                     pool = len(book.empty) + self._inflight_pages
-                    if held < self._floor:
+                    paused = self._growth_paused
+                    if held < self._floor and not paused:
                         grow = -(-(self._floor - held) // self._page_id_bytes)
-                    elif pool < self._low_pages and (
-                        time.monotonic() - self._refill_failed_at > REFILL_RETRY_S
+                    elif (
+                        pool < self._low_pages
+                        and not paused
+                        and time.monotonic() - self._refill_failed_at > REFILL_RETRY_S
                     ):
                         grow = self._extent_pages
                     elif len(book.empty) > self._high_pages:
@@ -807,7 +813,7 @@ class PageAllocator(Closeable):
                 self._release_claimed(release)
                 delta -= sum(e.npages for e in release)
             elif grow:
-                got = self._grow(min(grow, self._extent_pages), limit)
+                got = self._grow(min(grow, self._extent_pages), limit, ahead=True)
                 if not got:
                     self._refill_failed_at = time.monotonic()
                     break
@@ -876,6 +882,26 @@ class PageAllocator(Closeable):
         if wait:
             return self.wait_within_limit(timeout)
         return self._within_limit(self._limit_now())
+
+    def pause_growth(self) -> None:
+        """Map nothing ahead of demand (no pool refill, no growth toward `resize`'s
+        floor) until `resume_growth`, and wait for every growth in flight, the pool
+        thread's included, to land or be undone. Releases go on as before; `alloc`
+        still grows when it needs blocks. Idempotent."""
+        with self._lock:
+            self._growth_paused = True
+            while self._inflight_pages and not self._closed:
+                self._cond.wait()
+
+    def resume_growth(self) -> None:
+        """Undo `pause_growth`: the pool thread keeps the pool filled again."""
+        self._growth_paused = False
+        self._refill_failed_at = -float("inf")  # the pause was no refusal
+        self._wake.set()
+
+    @property
+    def growth_paused(self) -> bool:
+        return self._growth_paused
 
     def _within_limit(self, limit: int) -> bool:
         with self._lock:

@@ -14,6 +14,9 @@ same few things from it, and `ElasticSupply` is all of them, once:
   although the count said the blocks were there lost a race for the budget (another
   instance charged it in between): it retries for up to `RACE_RETRY_S` before the
   engine sees the shortage. A take the count never promised fails at once.
+  `take_up_to(n)` takes what it can at once, for an adapter that turns its count into
+  a promise by taking the blocks when it counts them (the vLLM adapter's Note [A
+  counted block is a taken block]).
 * `give(ids)`: blocks back to the allocator, whose pages can then be released.
 * The signals that say memory must go back (`over_limit`, `under_pressure`), the order
   that empties pages soonest (`release_order`), and `release_empty`, which hands empty
@@ -145,6 +148,18 @@ class ElasticSupply:
             if counted < n or time.monotonic() > deadline:
                 return None  # not a race: the allocator never had them
             time.sleep(0.01)
+
+    def take_up_to(self, n: int) -> list[int]:
+        """As many of `n` block ids as the allocator has now (maybe none), without
+        waiting: for a caller that must know at once what it holds for sure."""
+        ids = self.take(n, wait=0)
+        want = n
+        while ids is None:
+            want = min(want - 1, self.obtainable())  # `take` recounted on failure
+            if want <= 0:
+                return []
+            ids = self.take(want, wait=0)
+        return ids
 
     def give(self, ids: list[int]) -> None:
         """Blocks back to the allocator (the kept count follows at once)."""

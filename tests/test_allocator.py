@@ -841,3 +841,65 @@ def test_local_account_and_budget() -> None:
     from kvcached.accounting import BudgetAccount
 
     assert isinstance(a, BudgetAccount)
+
+
+class GatedHost(CountingHost):
+    """A host backend whose maps wait for `gate` while `hold` is set: growth that stays
+    in flight (charged, created, not yet mapped) for as long as a test needs."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hold = False
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _map_batch(self, items: Sequence[tuple[int, Page]]) -> None:
+        if self.hold:
+            self.entered.set()
+            self.gate.wait(30)
+        super()._map_batch(items)
+
+
+def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_refill() -> None:
+    # regression: vLLM's sleep capped the allocator while its pool thread was mapping an
+    # extent charged a moment before; the extent landed after the trim (and on a GPU
+    # during vLLM's own check that its sleep freed memory)
+    backend = GatedHost(budget=256 << 20, granularity=G)
+    layout = KVLayout.uniform(
+        backend, 2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4,
+        max_tokens=64 * BPP * 4,
+    )  # fmt: skip
+    (group,) = layout.groups
+    account = LocalAccount()
+    backend.hold = True
+    alloc = make(group, account=account, background=True, pool_low=PAGE_ID, pool_high=PAGE_ID)
+    try:
+        assert backend.entered.wait(30)  # the pool thread's refill: charged, not mapped
+        assert account.charged == PAGE_ID and alloc.reserved_bytes == 0
+        paused = threading.Thread(target=alloc.pause_growth)
+        paused.start()
+        paused.join(0.2)
+        assert paused.is_alive()  # the growth in flight has not landed: still waiting
+        backend.gate.set()
+        paused.join(30)
+        assert not paused.is_alive() and alloc.growth_paused
+        assert alloc.stats().inflight_bytes == 0 and alloc.reserved_bytes == PAGE_ID
+        alloc.set_limit(0)  # the sleep's trim: nothing can land after it
+        assert alloc.reserved_bytes == 0 and account.charged == 0
+        alloc.set_limit(None)
+        assert alloc.maintain() == 0  # paused: the pool is not refilled...
+        assert alloc.reserved_bytes == 0
+        block = alloc.alloc_one()  # ...but an alloc still grows on demand
+        assert block is not None and alloc.reserved_bytes == PAGE_ID
+        alloc.free([block])
+        alloc.set_limit(0)
+        alloc.set_limit(None)
+        assert alloc.reserved_bytes == 0
+        alloc.resume_growth()
+        wait_until(lambda: alloc.reserved_bytes == PAGE_ID)  # the refill is back
+        assert not alloc.growth_paused
+    finally:
+        backend.gate.set()
+        alloc.close()
+        layout.close()
+        backend.close()

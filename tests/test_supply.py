@@ -124,6 +124,19 @@ def test_a_take_that_lost_a_race_for_the_budget_waits_for_it(backing: BackingBuf
         assert elastic.take(4 * BPP, wait=0) is None  # without waiting, no second try
 
 
+def test_take_up_to_takes_what_the_budget_still_has_at_once(backing: BackingBuffer) -> None:
+    budget = LocalBudget(total=4 * G)
+    neighbour = budget.account()
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.obtainable() == 4 * BPP  # counted while the budget was free
+        assert neighbour.try_charge(3 * G)  # then another instance took most of it
+        taken = elastic.take_up_to(3 * BPP)
+        assert len(taken) == BPP  # the one page id left
+        assert elastic.take_up_to(1) == []  # nothing left: none, not an error
+        assert elastic.take_up_to(0) == []
+
+
 # ---------------------------------------------------------------- the one policy
 def test_over_the_limit_comes_first_with_the_excess_in_bytes(backing: BackingBuffer) -> None:
     account = LocalBudget(total=4 * G).account()

@@ -17,8 +17,27 @@ between vLLM's blocks and its block ids:
   limit and the device ledger's free budget still allow). When memory runs out, that
   count falls and vLLM's own preemption and queueing run; nothing crashes.
 * `popleft_n` takes fresh blocks from the supply first, so cached prefixes survive
-  while memory allows, then the least recently used retained blocks; a take the count
-  promised but another instance raced it for waits a little (`ElasticSupply.take`).
+  while memory allows, then the least recently used retained blocks.
+
+Note [A counted block is a taken block]. vLLM's `KVCacheManager.allocate_slots` asks
+its coordinator how many blocks a request needs (`get_num_blocks_to_allocate`),
+compares that with `get_num_free_blocks()` and, if they fit, takes them
+(`get_new_blocks` -> `popleft_n`). Part of the count is the device budget's headroom,
+which another instance can charge between the comparison and the take; it keeps what
+it took, so the take would fail after vLLM had already decided, and the engine would
+die. So the comparison itself takes: the coordinator's count is recorded (`expect`, by
+the shim `counted_for_the_comparison`), and the free-block count that follows it *stages* that many
+fresh blocks from the supply, as many as it can have. When it gets them all, the count
+is what it always was; when it does not, the count is only what is held for sure (the
+retained blocks and the staged ones), below the need, so vLLM returns None and preempts
+or queues, its own answer to a shortage. `popleft_n` serves staged blocks first; blocks
+staged but not taken (the need counted prefix hits, or vLLM declined for its watermark)
+go back at the next comparison, or with the unused memory of an upkeep. Between a
+comparison and its take nothing may shrink what was promised: the upkeep that rides on
+the scheduler's calls runs only at a comparison, before its staging, and never evicts
+the request's own prefix hits that the need counted; counts that are not comparisons
+(vLLM's own check inside `get_new_blocks`, statistics) only read, once comparisons are
+seen. A `popleft_n` beyond every promise is vLLM's bug, and fails loudly.
 
 When retained blocks go back is kvcached's Note [One reclaim policy], the same as the
 SGLang adapter's: over the limit, under budget pressure, or idle for
@@ -33,9 +52,11 @@ this thread's next step tells them to do.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvcached.engines.vllm import instance
@@ -57,13 +78,24 @@ class ElasticFreeQueue:
         self._release_here = getattr(vllm_instance, "recording", None) is None
         self._retained: OrderedDict[int, Any] = OrderedDict()
         self.evicted = 0  # blocks given back by eviction, for tests and logs
+        # Note [A counted block is a taken block]: fresh block ids taken at the last
+        # comparison and not yet handed out; the need the next count is compared with
+        # (None: that count is no comparison) and the prefix hits the need counted
+        self._staged: list[int] = []
+        self._expected: int | None = None
+        self._expected_hits: Sequence[Sequence[Any]] = ()
+        self._protected: frozenset[int] = frozenset()  # never evicted by this upkeep
+        self._comparisons_seen = False
 
     # ------------------------------------------------------------- vLLM's contract
     @property
     def num_free_blocks(self) -> int:
-        if self._retained and self.supply.check_due():
+        need, self._expected = self._expected, None
+        if need is not None:
+            return self._compare(need)
+        if not self._comparisons_seen and self.holds_unused() and self.supply.check_due():
             self.upkeep(idle=False)
-        return len(self._retained) + self.supply.obtainable()
+        return len(self._retained) + len(self._staged) + self.supply.obtainable()
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -72,9 +104,13 @@ class ElasticFreeQueue:
         if n <= 0:
             return []
         self.supply.busy()
-        ids = self.supply.take(n, wait=0)
-        if ids is None:
-            ids = self._take_short(n)
+        staged = self._staged
+        ids = staged[:n]
+        del staged[:n]
+        if len(ids) < n:
+            rest = n - len(ids)
+            fresh = self.supply.take(rest, wait=0)
+            ids += fresh if fresh is not None else self._take_short(rest)
         return [self._blocks[i] for i in ids]
 
     def remove(self, block: Any) -> None:
@@ -96,23 +132,66 @@ class ElasticFreeQueue:
     def get_all_free_blocks(self) -> list[Any]:
         return list(self._retained.values())
 
+    # ------------------------------------ Note [A counted block is a taken block]
+    def expect(self, need: int, hits: Sequence[Sequence[Any]] = ()) -> None:
+        """The coordinator counted `need` blocks for a request, `hits` (its prefix hits,
+        per KV cache group) among them: the next free-block count is the comparison."""
+        self._expected = need
+        self._expected_hits = hits
+
+    def _compare(self, need: int) -> int:
+        """The free-block count vLLM compares `need` with: `need` fresh blocks staged
+        (as many as the supply gives), and only what is held for sure when short."""
+        self._comparisons_seen = True
+        hits, self._expected_hits = self._expected_hits, ()
+        if self.holds_unused() and self.supply.check_due():
+            self._protected = frozenset(block.block_id for group in hits for block in group)
+            try:
+                self.upkeep(idle=False)
+            finally:
+                self._protected = frozenset()
+        staged = self._staged
+        if len(staged) > need:
+            self.supply.give(staged[need:])
+            del staged[need:]
+        elif len(staged) < need:
+            staged += self.supply.take_up_to(need - len(staged))
+        held = len(self._retained) + len(staged)
+        return held + self.supply.obtainable() if len(staged) >= need else held
+
+    def unstage(self) -> int:
+        """Staged blocks back to the supply (memory no request holds); returns how many."""
+        staged, self._staged = self._staged, []
+        self.supply.give(staged)
+        return len(staged)
+
+    def holds_unused(self) -> bool:
+        """Blocks no request holds are allocated here: retained prefixes or staged."""
+        return bool(self._retained or self._staged)
+
+    @property
+    def unused_blocks(self) -> int:
+        """Allocated in kvcached but held by no request: retained and staged blocks."""
+        return len(self._retained) + len(self._staged)
+
     # ------------------------------------------------------------ translation
     def _take_short(self, n: int) -> list[int]:
         """The supply could not give all `n` fresh: take the rest from the retained
-        blocks (least recently used first). vLLM counted them free, so a shortfall
-        here is a race for the budget, which the supply's take waits out a little."""
+        blocks (least recently used first), which the comparison counted on."""
         reuse = min(n, len(self._retained))
-        fresh = self.supply.take(n - reuse) if n > reuse else []
+        fresh = self.supply.take(n - reuse, wait=0) if n > reuse else []
         if fresh is None:
             raise RuntimeError(
-                f"kvcached: {n} KV blocks counted free a moment ago are gone: another "
-                "instance took the device budget in between"
+                f"kvcached: vLLM took {n} KV blocks that no free-block count promised "
+                f"({len(self._retained)} retained, none staged); every take must follow "
+                "the comparison that staged it (Note [A counted block is a taken block] "
+                "in kvcached/engines/vllm/block_pool.py)"
             )
         taken = [self._retained.popitem(last=False)[0] for _ in range(reuse)]
         return fresh + taken
 
     def _note_idle(self) -> None:
-        if self._allocator.used_blocks <= 1 + len(self._retained):  # only the null block
+        if self._allocator.used_blocks <= 1 + self.unused_blocks:  # only the null block
             self.supply.idle()
 
     def evict(self, block_ids: Iterable[int]) -> int:
@@ -135,12 +214,15 @@ class ElasticFreeQueue:
     def _give_back(self, reclaim: Reclaim) -> None:
         """What `reclaim` asks of the retained blocks: all of them, or those that empty
         pages first until the pages they free cover its bytes."""
+        self.unstage()  # unused memory goes first
+        protected = self._protected
+        candidates = [b for b in self._retained if b not in protected]
         if reclaim.nbytes is None:
-            chosen = list(self._retained)
+            chosen = candidates
         else:
             group = self._allocator.group
             need_pages = -(-reclaim.nbytes // group.page_id_bytes)
-            chosen = self.supply.release_order(self._retained)[: need_pages * group.blocks_per_page]
+            chosen = self.supply.release_order(candidates)[: need_pages * group.blocks_per_page]
         evicted = self.evict(chosen)
         if evicted:
             log.info("kvcached: %s: evicted %d prefix-cache blocks", reclaim.reason, evicted)
@@ -157,7 +239,7 @@ class ElasticFreeQueue:
     def upkeep_due(self, idle_after: float | None = None) -> bool:
         """Whether an idle engine's `upkeep` would give anything back now (changes
         nothing; asked from the lifecycle's timer thread)."""
-        if not self._retained:
+        if not self.holds_unused():
             return False
         return self.supply.due(idle=True, idle_after=idle_after) is not None
 
@@ -183,15 +265,16 @@ def elastic_block_pool(block_pool_class: type) -> type:
 
         def get_usage(self) -> float:
             allocator = self.free_block_queue._allocator
-            used = allocator.used_blocks - 1 - len(self.free_block_queue._retained)
+            used = allocator.used_blocks - 1 - self.free_block_queue.unused_blocks
             total = used + self.get_num_free_blocks()
             return 0.0 if total <= 0 else used / total
 
         def reset_prefix_cache(self) -> bool:
             queue = self.free_block_queue
-            busy = queue._allocator.used_blocks - 1 - len(queue._retained)
+            busy = queue._allocator.used_blocks - 1 - queue.unused_blocks
             if busy > 0:
                 return False
+            queue.unstage()
             queue.evict(list(queue._retained))
             return self.reset_prefix_cache_after_evict()
 
@@ -210,3 +293,21 @@ def elastic_block_pool(block_pool_class: type) -> type:
 
     ElasticBlockPool.__qualname__ = ElasticBlockPool.__name__
     return ElasticBlockPool
+
+
+def counted_for_the_comparison(original: Callable[..., int]) -> Callable[..., int]:
+    """vLLM's `KVCacheCoordinator.get_num_blocks_to_allocate`, whose count (and the prefix
+    hits it includes) the elastic free queue is told before vLLM compares it with the
+    free blocks (Note [A counted block is a taken block])."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
+        need = original(self, *args, **kwargs)
+        queue = self.block_pool.free_block_queue
+        if isinstance(queue, ElasticFreeQueue):
+            hits = signature.bind(self, *args, **kwargs).arguments.get("new_computed_blocks")
+            queue.expect(need, hits or ())
+        return need
+
+    return get_num_blocks_to_allocate

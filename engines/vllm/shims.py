@@ -84,6 +84,12 @@ def _block_pool(original: Any) -> Any:
     return elastic_block_pool(original)
 
 
+def _comparison(original: Any) -> Any:
+    from kvcached.engines.vllm.block_pool import counted_for_the_comparison
+
+    return counted_for_the_comparison(original)
+
+
 def _sizing(original: Any) -> Any:
     from kvcached.engines.vllm.sizing import sized_by_kvcached
 
@@ -215,6 +221,15 @@ SHIMS: tuple[Shim, ...] = (
         _block_pool,
         used_in="block_pool.py",
         how="subclasses",
+    ),
+    # the count allocate_slots compares with the free blocks is staged at that
+    # comparison, so another instance cannot take it before the take (block_pool.py)
+    Shim(
+        "a counted block is a taken block",
+        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_num_blocks_to_allocate",
+        _BOTH,
+        _comparison,
+        used_in="block_pool.py",
     ),
     # one worker runs in the engine-core process, beside the scheduler that owns the
     # allocator (vLLM-CPU would otherwise start a separate worker process even for one)
@@ -432,6 +447,13 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_POOL}.cached_block_hashes_by_block",
         ),
         _BOTH,
+    ),
+    Contact(
+        "a counted block is a taken block: the pool the count is for",
+        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.block_pool",
+        _BOTH,
+        "reads",
+        "block_pool.py",
     ),
     *_contacts(
         "eviction of retained prefix-cache blocks",

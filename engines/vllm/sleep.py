@@ -11,17 +11,23 @@ With kvcached the KV buffer is not in that pool: it is a kvcached reservation wh
 pages kvcached maps itself (`allocation.py`), so vLLM's sleep leaves the KV memory where
 it is. The two wrappers here give it back and bring it back, around vLLM's own calls:
 
-* `sleep` (level 1 or 2; level 0 only pauses and frees nothing): once vLLM has paused
-  the scheduler, cleared the prefix cache (every block is back in kvcached, see
-  `ElasticBlockPool.reset_prefix_cache`) and suspended its pool, each allocator of the
-  instance is capped at 0 bytes. The cap releases every empty extent at once and keeps
-  the allocator's pool thread from mapping its low-watermark pool back while the engine
-  sleeps. When vLLM's pause is still under way (a multiprocess engine with requests in
-  flight) it returns a Future, and the trim waits for it.
+* `sleep` (level 1 or 2; level 0 only pauses and frees nothing): before vLLM's own
+  sleep, each allocator of the instance stops growing ahead of demand and waits for
+  the growth its pool thread has in flight (`PageAllocator.pause_growth`): vLLM's
+  workers measure the device's free memory before and after they suspend their pool
+  and fail the sleep when it went down ("memory usage increased after sleeping"), which
+  a pool extent landing in between would do. Once vLLM has paused the scheduler,
+  cleared the prefix cache (every block is back in kvcached, see
+  `ElasticBlockPool.reset_prefix_cache`) and suspended its pool, each allocator is
+  capped at 0 bytes. The cap releases every empty extent at once, and with no growth
+  left in flight nothing lands after it. When vLLM's pause is still under way (a
+  multiprocess engine with requests in flight) it returns a Future, and the trim waits
+  for it; requests that finish meanwhile still grow on demand.
 * `wake_up`, when the wake includes the KV (no tags, or ``kv_cache`` among them): the
   null block is mapped again before vLLM's own wake can resume the scheduler, and the
   caps are lifted, back to what each allocator had, after vLLM has mapped its pool back
-  (the weights come first), so KV memory grows again as requests need it.
+  (the weights come first), and the pool threads grow ahead again, so KV memory grows
+  as requests need it. A sleep that fails lets them grow again at once.
 
 Note [The null block sleeps too]. vLLM's null block (block 0) is pinned for the
 instance's lifetime (`instance.py`): padded and dummy runs write to it. Its extent is
@@ -107,9 +113,14 @@ def kv_to_nothing(engine: Any) -> None:
     allocators, first = found.cache.allocators, found.allocator
     state = _Asleep(found, tuple(allocator.limit for allocator in allocators), False)
     _asleep = state
+    queue = getattr(found.pool, "free_block_queue", None)
+    unstage = getattr(queue, "unstage", None)
+    if unstage is not None:
+        unstage()  # blocks a comparison staged that no request took (block_pool.py)
 
     def release() -> None:
         for allocator in allocators:
+            allocator.pause_growth()  # already paused by the wrapper; idempotent
             allocator.set_limit(0)
         if _null_block_can_sleep(first):
             first.free([NULL_BLOCK])
@@ -170,6 +181,7 @@ def kv_on_demand() -> None:
     _asleep = None
     for allocator, limit in zip(found.cache.allocators, held.limits, strict=True):
         allocator.set_limit(limit)
+        allocator.resume_growth()
     _recount(found)
     log.info("kvcached: %s awake: KV grows on demand again", found.name)
 
@@ -197,6 +209,25 @@ def _while_workers_replay(release: Callable[[], None], engine: Any) -> None:
         raise failed[0]
 
 
+def pause_growth() -> None:
+    """Before vLLM's own sleep: no allocator of this process's instance maps anything
+    ahead of demand, and no growth is in flight (`PageAllocator.pause_growth`)."""
+    found = instance.current()
+    if found is None or asleep():
+        return
+    for allocator in found.cache.allocators:
+        allocator.pause_growth()
+
+
+def resume_growth() -> None:
+    """A sleep that failed: the allocators grow ahead of demand again (not asleep)."""
+    found = instance.current()
+    if found is None or asleep():
+        return
+    for allocator in found.cache.allocators:
+        allocator.resume_growth()
+
+
 def _recount(found: instance.VllmInstance) -> None:
     queue = getattr(found.pool, "free_block_queue", None)
     supply = getattr(queue, "supply", None)
@@ -213,14 +244,21 @@ def trims_kv_on_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def sleep(self: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, level, *args, **kwargs)
         if level < 1:
-            return result  # a pause: nothing leaves the device
+            return original(self, level, *args, **kwargs)  # a pause: nothing leaves
+        pause_growth()  # nothing lands while vLLM measures what its sleep freed
+        try:
+            result = original(self, level, *args, **kwargs)
+        except BaseException:
+            resume_growth()
+            raise
         if isinstance(result, Future):
 
             def after_pause(done: Future[Any]) -> None:
                 if done.exception() is None:
                     kv_to_nothing(self)
+                else:
+                    resume_growth()
 
             result.add_done_callback(after_pause)
         else:
