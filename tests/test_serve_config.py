@@ -135,6 +135,7 @@ def test_defaults_are_those_of_the_design(monkeypatch: pytest.MonkeyPatch) -> No
         "args": [],
         "env": {},
         "limit": None,
+        "start_room": None,
         "min": 0,
         "priority": 0,
         "keep_alive": 300.0,
@@ -413,6 +414,27 @@ def test_limit_below_min_is_refused() -> None:
         "min, or null"
     ]
     assert validate_config(one_model(limit="2GiB", min="2GiB")).models[0].limit == 2 * GiB
+
+
+def test_start_room_is_a_size_or_a_percentage_within_the_limit_and_the_budget() -> None:
+    assert validate_config(one_model()).models[0].start_room is None  # estimated
+    assert validate_config(one_model(start_room="300MiB")).models[0].start_room == 300 * MiB
+    assert validate_config(one_model(start_room="25%")).models[0].start_room == 2 * GiB
+    assert validate_config(one_model(limit="1GiB", start_room="1GiB")).models[0].limit == GiB
+    assert problems_of(one_model(limit="1GiB", start_room="2GiB")) == [
+        "models[m].start_room: 2.00 GiB is more than its limit (1.00 GiB); accepted: at most "
+        "the limit, or null"
+    ]
+    assert problems_of(one_model(start_room="9GiB")) == [
+        "models[m].start_room: 9.00 GiB is more than the budget (8.00 GiB); accepted: at most "
+        "the budget; bytes or a size like 4GiB, 512MiB, or a percentage of the budget like "
+        "25%, or null for kvcached serve's estimate"
+    ]
+    assert problems_of(one_model(start_room=0)) == [
+        "models[m].start_room: 0 is not a size (it must be more than 0); accepted: bytes or a "
+        "size like 4GiB, 512MiB, or a percentage of the budget like 25%, or null for "
+        "kvcached serve's estimate"
+    ]
 
 
 def test_the_models_min_must_fit_in_the_budget() -> None:

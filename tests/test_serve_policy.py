@@ -8,23 +8,29 @@ import dataclasses
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcached.apps.serve.policy import (
+    DEFAULT_START_ROOM,
     IDLE_PAST_KEEP_ALIVE,
     MAX_AWAKE_REACHED,
+    START_ROOM_SHARE,
     Decisions,
     ModelView,
     PolicyMemory,
     decide,
+    start_room_for,
     view_of,
 )
 from kvcached.apps.serve.state import ModelState, ModelStats
 
+MiB = 1 << 20
 G = 1 << 30
 B = 10 * G
 AWAKE, ASLEEP, STOPPED = ModelState.AWAKE, ModelState.ASLEEP, ModelState.STOPPED
+LOADING, WAKING = ModelState.LOADING, ModelState.WAKING
 
 
 def view(name: str, state: ModelState = AWAKE, **fields: Any) -> ModelView:
@@ -306,6 +312,99 @@ def test_a_model_woken_now_is_guaranteed_its_min_at_once() -> None:
     assert room_for(d, "w") >= 3 * G
 
 
+# ------------------------------------------------------------------------- room to start
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_a_restarting_model_gets_room_from_a_survivor_holding_the_whole_budget(
+    in_flight: int,
+) -> None:
+    """Issue 20: with no min and no limit the survivor's limit stayed the budget while
+    it held all of it (unused pool pages), and the restarted engine could not map one
+    page id; every restart died the same way."""
+    survivor = view("survivor", reserved=B, in_flight=in_flight, last_used=900.0)
+    d = run([survivor, view("crashed", LOADING, start_room=256 * MiB)])
+    assert room_for(d, "crashed") >= 256 * MiB
+    assert d.limits == {"survivor": B - 256 * MiB, "crashed": None}
+    # without a start room the survivor keeps the budget: the defect the test guards
+    assert run([survivor, view("crashed", LOADING)]).limits["survivor"] is None
+
+
+def test_waking_and_admitted_models_get_their_room_to_start_but_awake_ones_do_not() -> None:
+    for state, queued in [(WAKING, 0), (ASLEEP, 1), (STOPPED, 1)]:
+        d = run([view("s", reserved=B), view("w", state, queued=queued, start_room=G)])
+        assert room_for(d, "w") == G, state
+    d = run([view("s", reserved=B), view("w", AWAKE, start_room=G)])
+    assert d.limits == {"s": None, "w": None}  # started: back to its min (0)
+
+
+def test_room_to_start_is_at_least_the_min_and_at_most_the_models_own_limit() -> None:
+    d = run([view("s", reserved=B), view("w", LOADING, min=3 * G, start_room=G)])
+    assert room_for(d, "w") == 3 * G  # idle, but starting: its min too
+    d = run([view("s", reserved=B), view("w", LOADING, limit=G // 2, start_room=G)])
+    assert room_for(d, "w") == G // 2  # more than its own limit would be of no use
+
+
+def test_room_to_start_never_takes_a_busy_models_min() -> None:
+    d = run(
+        [
+            view("busy", min=8 * G, reserved=8 * G, in_flight=1),
+            view("starting", LOADING, start_room=4 * G),
+        ]
+    )
+    assert room_for(d, "busy") >= 8 * G  # the config guarantees mins; start rooms not
+    assert d.limits["busy"] == 8 * G
+    assert room_for(d, "starting") == 2 * G  # all there is
+
+
+def test_a_busy_min_spares_a_starting_models_room_while_both_fit() -> None:
+    d = run(
+        [
+            view("busy", min=4 * G, in_flight=1, last_used=900.0),
+            # least recently used (never): the first donor of headroom were it not starting
+            view("starting", LOADING, start_room=4 * G, last_used=None),
+            view("idle", reserved=G, last_used=500.0),
+        ]
+    )
+    assert room_for(d, "busy") >= 4 * G
+    assert room_for(d, "starting") >= 4 * G
+    # only headroom moved: what `idle` holds stays; the starting model gave no more
+    # than its room allowed
+    assert d.limits == {"busy": 5 * G, "starting": 4 * G, "idle": G}
+
+
+def test_two_starting_models_do_not_take_each_others_room() -> None:
+    d = run(
+        [
+            view("s", reserved=B),
+            view("a", LOADING, start_room=3 * G, priority=1),
+            view("b", LOADING, start_room=3 * G),
+        ]
+    )
+    assert room_for(d, "a") >= 3 * G and room_for(d, "b") >= 3 * G
+    assert d.limits["s"] == 4 * G
+
+
+def test_a_pressed_claim_does_not_take_room_to_start() -> None:
+    models = [
+        view("p", priority=5, in_flight=1, reserved=6 * G),
+        view("other", in_flight=1, reserved=4 * G),  # the budget is full
+        view("starting", LOADING, start_room=2 * G),
+    ]
+    d = pressed_once(models, "p", step=G)
+    assert d.pressed == {"p"}  # the budget refused it, not its own limit
+    assert room_for(d, "starting") == 2 * G
+    assert d.limits == {"p": 6 * G, "other": 2 * G, "starting": 2 * G}
+
+
+def test_start_room_is_the_configured_one_else_an_estimate_lowered_by_what_was_seen() -> None:
+    assert start_room_for(B, configured=7 * MiB, smallest_seen=1 * MiB) == 7 * MiB
+    assert start_room_for(B, configured=None, smallest_seen=None) == DEFAULT_START_ROOM
+    assert start_room_for(B, configured=None, smallest_seen=112 * MiB) == 112 * MiB
+    assert start_room_for(B, configured=None, smallest_seen=2 * G) == DEFAULT_START_ROOM
+    small = 32 * MiB  # a CPU budget: not emptied for an estimate
+    assert start_room_for(small, configured=None, smallest_seen=None) == small // START_ROOM_SHARE
+    assert start_room_for(small, configured=None, smallest_seen=128 << 10) == 128 << 10
+
+
 def test_view_of_counts_idleness_from_waking_when_later_than_the_last_request() -> None:
     stats = ModelStats(in_flight=1, queued=2, last_used=10.0)
     v = view_of("m", AWAKE, stats, priority=2, min=G, reserved=5, denied=1, awake_since=50.0)
@@ -345,6 +444,7 @@ def model_sets(draw: st.DrawFn) -> tuple[list[ModelView], int, PolicyMemory, int
                 keep_alive=draw(st.none() | st.floats(0, 2000)),
                 reserved=draw(st.integers(0, budget)),
                 denied=draw(st.integers(0, 5)),
+                start_room=draw(st.integers(0, budget)),  # unlike mins, need not fit
             )
         )
     memory = PolicyMemory(
@@ -378,6 +478,46 @@ def test_no_busy_model_can_be_starved_of_its_min(
     for m in holders(models, d):
         if m.busy and m.min > 0:  # a min of 0 guarantees nothing
             assert room_for(d, m.name, budget) >= m.min, (m, d.limits)
+
+
+def starting(models: list[ModelView], d: Decisions) -> list[ModelView]:
+    """The holders after `d` that are starting: loading, waking, or admitted now."""
+    return [m for m in holders(models, d) if m.state in (LOADING, WAKING) or m.name in d.may_wake]
+
+
+def guarantee(m: ModelView, d: Decisions, models: list[ModelView], budget: int) -> int:
+    """What `m` is owed after `d`: its min while busy, its room to start while starting
+    (within its own limit)."""
+    owed = m.min if m.busy else 0
+    if m in starting(models, d):
+        own = budget if m.limit is None else min(m.limit, budget)
+        owed = max(owed, min(own, max(m.min, m.start_room)))
+    return owed
+
+
+@settings(max_examples=500, deadline=None)
+@given(model_sets(), st.integers(1, 8))
+def test_no_starting_model_can_be_starved_of_its_room_while_the_guarantees_fit(
+    drawn: tuple[list[ModelView], int, PolicyMemory, int | None], step_share: int
+) -> None:
+    models, budget, memory, max_awake = drawn
+    d = decide(
+        models,
+        budget=budget,
+        max_awake=max_awake,
+        now=1000.0,
+        memory=memory,
+        step=budget // step_share,
+    )
+    owed = {m.name: guarantee(m, d, models, budget) for m in holders(models, d)}
+    if sum(owed.values()) > budget:
+        return  # then busy mins win (the other property); start rooms get what is left
+    for m in starting(models, d):
+        if owed[m.name] == 0:  # a guarantee of 0 bounds nothing
+            continue
+        assert room_for(d, m.name, budget) >= owed[m.name], (m, d.limits)
+        effective = budget if d.limits[m.name] is None else d.limits[m.name]
+        assert effective >= owed[m.name]
 
 
 @settings(max_examples=250, deadline=None)
@@ -439,8 +579,6 @@ def test_the_decisions_do_not_depend_on_the_order_of_the_models(
 
 
 def test_bad_inputs_are_refused_naming_what_is_accepted() -> None:
-    import pytest
-
     from kvcached.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="budget must be a positive number of bytes"):

@@ -366,6 +366,100 @@ def test_start_timeout_fails_with_the_log_tail_and_kills_the_engine(
 
 
 # --------------------------------------------------------------------- sleep and wake
+def test_a_restart_waits_for_room_a_survivor_holding_the_budget_must_give_back(
+    tmp_path: Path, ledger_dir: Path
+) -> None:
+    """Issue 20: the survivor, with no min and no limit, holds the whole budget; the
+    crashed model's engine is not started again until the policy has lowered the
+    survivor's limit and the survivor has given its start room back (Note [waiting
+    for room]); then it starts, in that room."""
+    whole = ["--bytes-per-request", str(64 * MiB), "--cache-bytes", str(64 * MiB)]
+    cfg = config(
+        tmp_path,
+        model("survivor", args=[*whole, "--token-delay", "0.05"]),
+        model("crashed"),
+    )
+    sup = supervisor(cfg)
+    room = 64 * MiB // 16  # the estimate for a model never seen to hold KV
+
+    async def body() -> None:
+        try:
+            await sup.start(wait=True)
+            survivor, crashed = sup.handle("survivor"), sup.handle("crashed")
+            assert sup.start_room(crashed) == room
+            request = {"model": "survivor", "prompt": "hi", "max_tokens": 5000, "stream": True}
+            async with (
+                survivor.serving(timeout=5) as base_url,
+                httpx.AsyncClient(trust_env=False) as client,
+                client.stream("POST", f"{base_url}/v1/completions", json=request) as answer,
+            ):
+                lines = answer.aiter_lines()
+                assert (await anext(lines)).startswith("data: {")  # it holds the budget now
+                assert rows(tmp_path)["survivor"].reserved == 64 * MiB
+                first = crashed.pid
+                with pytest.raises(httpx.TransportError):
+                    await client.post(f"{crashed.base_url}/crash", timeout=5)
+                await until(lambda: "waiting for room" in crashed.detail, 20, "waiting")
+                assert crashed.state is ModelState.LOADING and crashed.pid is None
+                assert crashed.detail.startswith(
+                    f"waiting for room in the budget to start: 0 of {room} bytes free"
+                )
+                await until(lambda: rows(tmp_path)["survivor"].limit == 64 * MiB - room, 5, "lower")
+                # its request holds every byte: nothing can come back while it runs
+                assert rows(tmp_path)["survivor"].reserved == 64 * MiB
+                assert crashed.state is ModelState.LOADING and crashed.pid is None
+                assert crashed.stats.restarts_total == 1 and first is not None
+            # the request ended: its bytes went to the survivor's cache, trimmed to the limit
+            await until(lambda: crashed.state is ModelState.AWAKE, 20, "restarted")
+            assert crashed.pid not in (None, first)
+            held = rows(tmp_path)
+            assert held["survivor"].reserved <= 64 * MiB - room
+            assert held["crashed"].pid == crashed.pid
+            async with crashed.serving(timeout=5) as base_url:
+                assert (await complete(base_url, "crashed", max_tokens=1))["choices"]
+        finally:
+            await sup.stop()
+        assert rows(tmp_path) == {}
+
+    run(body)
+
+
+def test_a_start_does_not_wait_for_room_the_guarantees_cannot_leave(
+    tmp_path: Path, ledger_dir: Path
+) -> None:
+    """A busy model's min is kept even against a start: when the others' guarantees
+    leave less than the start room (here: nothing), waiting could not help, so the engine
+    starts with what there is (its own check decides; the fake needs nothing)."""
+    whole = ["--bytes-per-request", str(64 * MiB), "--cache-bytes", str(64 * MiB)]
+    cfg = config(
+        tmp_path,
+        model("busy", min=64 * MiB, args=[*whole, "--token-delay", "0.05"]),
+        model("late", preload=False, start_room=8 * MiB),
+    )
+    sup = supervisor(cfg)
+
+    async def body() -> None:
+        try:
+            await sup.start(wait=True)
+            busy, late = sup.handle("busy"), sup.handle("late")
+            request = {"model": "busy", "prompt": "hi", "max_tokens": 5000, "stream": True}
+            async with (
+                busy.serving(timeout=5) as base_url,
+                httpx.AsyncClient(trust_env=False) as client,
+                client.stream("POST", f"{base_url}/v1/completions", json=request) as answer,
+            ):
+                lines = answer.aiter_lines()  # kept: dropping it would close the stream
+                assert (await anext(lines)).startswith("data: {")
+                async with late.serving(timeout=20):
+                    assert late.state is ModelState.AWAKE
+                assert busy.stats.in_flight == 1  # it started while the busy one held all
+                assert rows(tmp_path)["busy"].reserved == 64 * MiB
+        finally:
+            await sup.stop()
+
+    run(body)
+
+
 def test_kv_sleep_sets_limit_zero_and_wake_restores_it(tmp_path: Path, ledger_dir: Path) -> None:
     cfg = config(tmp_path, model(limit=8 * MiB, keep_alive=0.5))
     sup = supervisor(cfg)

@@ -99,6 +99,7 @@ ACCEPTED: dict[str, str] = {
     "env": "a mapping of environment variables to strings",
     "limit": SIZE_ACCEPTED + ", or null for up to the budget",
     "min": SIZE_ACCEPTED,
+    "start_room": SIZE_ACCEPTED + ", or null for kvcached serve's estimate",
     "priority": "an integer; higher wins (default 0)",
     "keep_alive": _DURATION_ACCEPTED + ', or "never" (-1, null)',
     "sleep": "kv, weights, unload",
@@ -288,8 +289,8 @@ class _Checked(BaseModel):
 class ModelSpec(_Checked):
     """One model: what `kvcached serve` starts, routes to and shares memory with.
 
-    Invariants: `name` is a valid ledger name; `limit` is None or >= `min`; `sleep` is a
-    mode `engine` can carry out."""
+    Invariants: `name` is a valid ledger name; `limit` is None or >= `min` and >=
+    `start_room`; `sleep` is a mode `engine` can carry out."""
 
     #: the `model` clients send, and the model's ledger row
     name: str
@@ -302,6 +303,9 @@ class ModelSpec(_Checked):
     env: dict[str, str] = Field(default_factory=dict)
     #: most bytes of KV it may hold; None: up to the budget
     limit: int | None = None
+    #: bytes of KV guaranteed to it while it starts or wakes: at least one page id (one
+    #: KV page in every layer's K and V); None: estimated (policy.py, Note [room to start])
+    start_room: int | None = None
     #: bytes of KV guaranteed to it while it is busy
     min: int = 0
     #: higher wins memory and stays awake
@@ -380,6 +384,21 @@ class ModelSpec(_Checked):
     def _min(cls, value: object, info: ValidationInfo) -> int:
         return to_bytes(value, total=_budget_of(info), zero=True, accepted=ACCEPTED["min"])
 
+    @field_validator("start_room", mode="before")
+    @classmethod
+    def _start_room(cls, value: object, info: ValidationInfo) -> int | None:
+        if value is None:
+            return None
+        accepted = ACCEPTED["start_room"]
+        budget = _budget_of(info)
+        nbytes = to_bytes(value, total=budget, zero=False, accepted=accepted)
+        if budget is not None and nbytes > budget:
+            raise ValueError(
+                f"{_format_bytes(nbytes)} is more than the budget ({_format_bytes(budget)}); "
+                f"accepted: at most the budget; {accepted}"
+            )
+        return nbytes
+
     @field_validator("priority", mode="before")
     @classmethod
     def _priority(cls, value: object) -> int:
@@ -416,6 +435,11 @@ class ModelSpec(_Checked):
                 f"limit: {_format_bytes(self.limit)} is below min ({_format_bytes(self.min)}); "
                 "accepted: a limit at or above min, or null"
             )
+        if self.limit is not None and self.start_room is not None and self.limit < self.start_room:
+            problems.append(
+                f"start_room: {_format_bytes(self.start_room)} is more than its limit "
+                f"({_format_bytes(self.limit)}); accepted: at most the limit, or null"
+            )
         if self.sleep not in SLEEP_MODES[self.engine]:
             problems.append(
                 f"sleep: {self.engine} cannot sleep with {self.sleep!r}; accepted: "
@@ -430,7 +454,7 @@ class ServeConfig(_Checked):
     """Everything `kvcached serve` runs: the models and the server around them.
 
     Invariants: at least one model, names unique; the models' `min` add up to at most
-    `budget`, and each `limit` is at most `budget`."""
+    `budget`, and each `limit` and `start_room` is at most `budget`."""
 
     models: list[ModelSpec]
     #: bytes all models' KV share (the device ledger's budget)

@@ -25,6 +25,11 @@ limits from there, each only ever lowering:
    `min` of the budget to it. This is what makes starvation impossible whenever the
    models' `min` add up to at most the budget (the config checks that): the others can
    never hold more than `budget - min`, however they race for pages.
+   A *starting* model (loading, waking, or admitted to wake now), busy or not, gets the
+   same for its guarantee `max(min, start_room)` (at most its own limit): room for its
+   engine to come up at all, see Note [room to start]. Busy mins come first: while
+   lowering others for a busy min, a starting model gives its limit only down to its
+   guarantee, and below that only when the guarantees together do not fit the budget.
 2. A busy model under pressure (its ledger `denied` counter grew since the previous
    decision while the budget, not its own limit, was what ran out) claims `step` bytes
    more than it holds, up to its own limit, for `relax_after` seconds after its last
@@ -33,13 +38,35 @@ limits from there, each only ever lowering:
 3. Who gives back, for either rule, in this order: first unused headroom (a limit above
    what the model holds costs nothing to lower), then memory held above a model's `min`,
    then the `min` of idle models; within each, lower `priority` first, then least
-   recently used. A busy model never goes below its `min`; an idle one may go to 0.
+   recently used. A busy model never goes below its `min`, a starting one never below
+   its start guarantee (but for busy mins that do not fit otherwise); an idle one may go
+   to 0.
 
 Without pressure the limits relax back to the configured ones on the next decision:
 nothing is remembered but the times of the last refusals. Models asleep, sleeping,
 stopped, failed, or put to sleep by this decision get limit 0. A limit below what a model
 holds is how memory comes back: the allocator stops growing and returns pages as they
 empty (it never takes a page in use), so giving back follows the donor's requests.
+
+Note [room to start]. An engine maps one page id of KV (one page in every layer's K and
+V, for block 0, where it writes padding: `kvcached.cache.start_engine_cache`) before it
+serves anything, and dies at start-up when the budget has no room for it. With no `min`
+and no `limit`, nothing else kept a surviving engine, which keeps unused pool pages
+mapped, from holding the whole budget while a crashed neighbour restarted, so that
+neighbour died at start-up on every back-off (issue 20, benchmarks/serve_crash.py).
+So a starting model is guaranteed `start_room` bytes (rule 1): the others' limits drop
+until they leave it, and since a limit below what a donor holds makes its allocator
+release its empty pool pages at once and drain the rest (kvcached/supply.py, Note [One
+reclaim policy], rule `limit`), the room comes back without the donor's cooperation.
+The guarantee lasts only while the model starts; an awake model is back to its `min`.
+The figure is `start_room_for`: the model's configured `start_room`, else an estimate:
+`DEFAULT_START_ROOM` (one page id of a model of up to 128 layers with 2 MiB pages),
+at most a `START_ROOM_SHARE`th of the budget so that a small budget is not emptied for
+it, lowered to the smallest KV its ledger row was ever seen to hold (every charge is a
+whole number of page ids, so that figure is never below one page id, and an engine
+trimmed for sleep comes close to it). The ledger rows record no page size, so no exact
+figure is known, and the supervisor waits for the room before it starts the engine
+(supervisor.py, Note [waiting for room]).
 """
 
 from __future__ import annotations
@@ -64,6 +91,14 @@ MAX_AWAKE_REACHED = "max_awake reached"
 RELAX_AFTER_S = 5.0
 #: a pressed model claims this share of the budget more than it holds, per decision
 STEP_SHARE = 16
+#: bytes a starting model is guaranteed when neither its config nor its ledger row says
+#: better (Note [room to start]): one page id of a model of up to 128 layers, K and V
+#: in 2 MiB pages (2 MiB x 2 x 128); a page id is typically 100-350 MiB
+DEFAULT_START_ROOM = 512 << 20
+#: ... but at most this share of the budget, so that a small budget is not emptied
+START_ROOM_SHARE = 16
+#: states in which a model is starting (Note [room to start])
+STARTING_STATES = frozenset({ModelState.LOADING, ModelState.WAKING})
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,8 @@ class ModelView:
     reserved: int = 0
     #: its ledger row's count of refused charges so far
     denied: int = 0
+    #: bytes its engine needs to start, guaranteed while it starts (Note [room to start])
+    start_room: int = 0
 
     @property
     def awake(self) -> bool:
@@ -182,10 +219,11 @@ def decide(
     }
     may_wake, waiting = _admit(models, max_awake, reasons)
     holders = [m for m in models if (m.awake and m.name not in reasons) or m.name in may_wake]
+    starting = {m.name for m in holders if m.state in STARTING_STATES or m.name in may_wake}
     pressed_at = _pressure(models, memory, budget, now, relax_after)
     pressed = {m.name for m in holders if m.busy and m.name in pressed_at}
     limits: dict[str, int | None] = dict.fromkeys(names, 0)
-    limits.update(_limits(holders, budget, pressed, step))
+    limits.update(_limits(holders, budget, pressed, step, starting))
     return Decisions(
         limits=limits,
         sleep=list(reasons),
@@ -212,6 +250,7 @@ def view_of(
     reserved: int = 0,
     denied: int = 0,
     awake_since: float | None = None,
+    start_room: int = 0,
 ) -> ModelView:
     """A model's view from its counters: `last_used` is the later of its last request
     and `awake_since` (when it last became awake), so that a model preloaded or woken
@@ -230,7 +269,22 @@ def view_of(
         sleep=sleep,
         reserved=reserved,
         denied=denied,
+        start_room=start_room,
     )
+
+
+def start_room_for(budget: int, *, configured: int | None, smallest_seen: int | None) -> int:
+    """The bytes a model is guaranteed while it starts (Note [room to start]).
+
+    Args:
+        budget: the device budget.
+        configured: the model's `start_room`; when given, it is the answer.
+        smallest_seen: the least positive KV its ledger row was seen to hold (None:
+            never seen), a bound above one page id that lowers the estimate."""
+    if configured is not None:
+        return configured
+    estimate = min(DEFAULT_START_ROOM, budget // START_ROOM_SHARE)
+    return estimate if smallest_seen is None else min(estimate, smallest_seen)
 
 
 # ------------------------------------------------------------------------- sleeping
@@ -307,15 +361,29 @@ def _pressure(
 
 
 def _limits(
-    holders: Sequence[ModelView], budget: int, pressed: set[str], step: int
+    holders: Sequence[ModelView],
+    budget: int,
+    pressed: set[str],
+    step: int,
+    starting: set[str],
 ) -> dict[str, int | None]:
     """Note [limits] over the models that hold memory."""
     limit = {m.name: budget if m.limit is None else min(m.limit, budget) for m in holders}
-    #: never lowered below this: a busy model's min, then claims already granted
+    #: never lowered below this: a busy model's min, then start guarantees, then claims
     floor = {m.name: m.min if m.busy else 0 for m in holders}
-    for m in sorted(holders, key=lambda m: (-m.priority, m.name)):  # rule 1
+    #: what each starting model is guaranteed (rule 1, Note [room to start])
+    start = {
+        m.name: min(limit[m.name], max(m.min, m.start_room)) for m in holders if m.name in starting
+    }
+    by_priority = sorted(holders, key=lambda m: (-m.priority, m.name))
+    for m in by_priority:  # rule 1: busy mins, sparing start guarantees while they fit
         if m.busy and m.min > 0:
-            _make_room(m, m.min, holders, limit, floor, budget, spared=set())
+            _make_room(m, m.min, holders, limit, floor, budget, spared=set(), kept=start)
+    for name, guarantee in start.items():
+        floor[name] = max(floor[name], min(limit[name], guarantee))
+    for m in by_priority:  # rule 1: room to start
+        if start.get(m.name, 0) > 0:
+            _make_room(m, start[m.name], holders, limit, floor, budget, spared=set())
     claimants = sorted(
         (m for m in holders if m.name in pressed), key=lambda m: (-m.priority, m.reserved, m.name)
     )
@@ -344,10 +412,14 @@ def _make_room(
     floor: dict[str, int],
     budget: int,
     spared: set[str],
+    kept: dict[str, int] | None = None,
 ) -> None:
     """Lower the other models' limits (rule 3's order) until they leave `need` bytes of
     the budget to `m`, or nothing more may be taken. A `spared` model keeps its limit
-    and counts for what it holds (its headroom is its own to grow into)."""
+    and counts for what it holds (its headroom is its own to grow into). A model in
+    `kept` gives down to that many bytes in rule 3's tiers, and below them (to its
+    floor) only in a last tier, when the tiers before left `need` unmet."""
+    kept = kept or {}
     donors = sorted((o for o in holders if o is not m and o.name not in spared), key=_giving)
     others = sum(
         min(limit[o.name], o.reserved) if o.name in spared else limit[o.name]
@@ -355,12 +427,14 @@ def _make_room(
         if o is not m
     )
     excess = others - (budget - need)
-    for tier in range(3):
+    for tier in range(4):
         for o in donors:
             if excess <= 0:
                 return
-            bottom = _bottom(o, tier, limit[o.name], floor[o.name])
-            give = min(excess, limit[o.name] - bottom)
+            current = limit[o.name]
+            protected = floor[o.name] if tier == 3 else max(floor[o.name], kept.get(o.name, 0))
+            bottom = _bottom(o, min(tier, 2), current, min(current, protected))
+            give = min(excess, current - bottom)
             if give > 0:
                 limit[o.name] -= give
                 excess -= give

@@ -52,6 +52,20 @@ what it decides through the same levers `kvctl` pulls:
   again. The time from the first waiting request to `awake` is the model's wake time
   (`ModelStats.record_wake`).
 
+Note [waiting for room]: an engine maps one page id of KV before it serves (policy.py,
+Note [room to start]), so a start waits, `loading` with no process yet, until the budget
+has the model's start room free: the policy sees it loading and lowers the others'
+limits, and their allocators give back their empty pages. It starts at once when the room
+is there (the usual case), and without it when waiting cannot help: when the policy's
+limits leave less than that room (the guarantees of busy and starting models do not
+fit; the engine's own check then decides, and the estimate may be above its need), or
+after `start_timeout` (a donor whose requests never end). Waiting first rather than
+starting at once and letting the room drain in while the engine loads its weights: a
+start that fails for want of one page costs a whole load and a back-off, while the wait
+costs the drain, usually one poll of the donors' allocators. A wake needs no such wait:
+an engine put to sleep keeps its first page mapped (engines/vllm/sleep.py), and the
+policy guarantees the room from the decision that admits the wake.
+
 Note [one transition at a time]: start, sleep, wake and stop of one model run one at a
 time under the model's lock, each as its own task (`EngineProcess._run`), so a stop or
 a death can cancel the one in progress (a start waiting for health, a wake calling the
@@ -129,6 +143,8 @@ QUEUE_FULL_RETRY_S = 2.0
 WAIT_TIMEOUT_RETRY_S = 5.0
 #: Retry-After of a model given up for good
 GAVE_UP_RETRY_S = 60.0
+#: seconds between two looks at the budget while a start waits for room
+ROOM_EVERY_S = 0.05
 
 _RUNNING = (ModelState.LOADING, ModelState.AWAKE, ModelState.SLEEPING, ModelState.WAKING)
 #: states whose ledger limit is 0 whatever the policy gives the model
@@ -294,6 +310,14 @@ class EngineProcess:
         #: why requests wait although it could wake (the policy's `waiting`), else None
         self.waiting_reason: str | None = None
         self._awake_since: float | None = None
+        #: the least positive KV its ledger row was seen to hold, over all its engines:
+        #: never below one page id (Note [room to start] in policy.py); None: not seen
+        self.smallest_kv_seen: int | None = None
+        #: what the policy's last limits (and rows that are no model's) leave of the
+        #: budget to it, and that decision's number (`Supervisor.decisions`), for a start
+        #: waiting for room
+        self.room_left: int | None = None
+        self.room_decided = 0
 
     # ------------------------------------------------------------ ModelHandle
     @property
@@ -484,6 +508,8 @@ class EngineProcess:
                 "rename the model",
             )
             return
+        self._set_state(ModelState.LOADING, "waiting for room in the budget to start")
+        await self._wait_for_room()
         port = _free_port()
         command = self.launcher.command(self.spec, HOST, port)
         env = self._sup.engine_environment(self)
@@ -536,6 +562,39 @@ class EngineProcess:
                 "KVCACHED_BACKEND the same for the engines and for kvcached serve?)",
                 self.name, self.row_name, self._sup.ledger_key(self), self.engine,
             )  # fmt: skip
+
+    async def _wait_for_room(self) -> None:
+        """Return once the budget has this model's start room free, or once waiting
+        cannot help (Note [waiting for room])."""
+        sup = self._sup
+        own = self.target_limit if self.target_limit else self.spec.limit
+        need = min(sup.start_room(self), sup.config.budget if own is None else own)
+        asked = sup.decisions  # a decision made after this model became loading counts
+        deadline = time.monotonic() + sup.config.start_timeout
+        while True:
+            free = sup.free_bytes(self)
+            if free is None or free >= need:
+                return
+            left = self.room_left if self.room_decided > asked else None
+            if left is not None and left < need:
+                log.warning(
+                    "%s: the others' guarantees leave %d bytes of the %d it is given to "
+                    "start; starting with %d free",
+                    self.name, left, need, free,
+                )  # fmt: skip
+                return
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "%s: %d bytes free after %g s (start_timeout), not the %d it is given "
+                    "to start; starting anyway",
+                    self.name, free, sup.config.start_timeout, need,
+                )  # fmt: skip
+                return
+            self.detail = (
+                f"waiting for room in the budget to start: {free} of {need} bytes free "
+                "(the other models give back what they do not use)"
+            )
+            await asyncio.sleep(ROOM_EVERY_S)
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process) -> str | None:
         """None once the health call answers 200; else why it never will."""
@@ -806,11 +865,16 @@ class Supervisor:
         }
         self._ledgers: dict[str, Ledger] = {}
         self._rows: dict[str, InstanceRow] = {}  # by model name, as of the last read
+        #: by ledger key, bytes held by rows that are no model's (an engine started by
+        #: hand, another server): no limit of ours brings them back
+        self._foreign: dict[str, int] = {}
         self._history: deque[dict[str, object]] = deque(maxlen=HISTORY_SAMPLES)
         self._last_sample = -math.inf
         self._poked = asyncio.Event()
         self._halting = False  # the policy loop ends at its next turn
         self._memory: policy.PolicyMemory | None = None
+        #: how many policy decisions were carried out so far
+        self.decisions = 0
         self._loop: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._client: httpx.AsyncClient | None = None
@@ -999,13 +1063,35 @@ class Supervisor:
         by_key: dict[str, dict[str, InstanceRow]] = {}
         for key, ledger in self._ledgers.items():
             by_key[key] = {row.name: row for row in ledger.rows()}
+        ours = {(self._keys[name], proc.row_name) for name, proc in self.processes.items()}
+        self._foreign = {
+            key: sum(r.reserved for r in found.values() if (key, r.name) not in ours)
+            for key, found in by_key.items()
+        }
         rows = {}
         for name, proc in self.processes.items():
             row = by_key.get(self._keys[name], {}).get(proc.row_name)
             if row is not None:
                 rows[name] = row
+                seen = proc.smallest_kv_seen
+                if row.reserved > 0 and (seen is None or row.reserved < seen):
+                    proc.smallest_kv_seen = row.reserved
         self._rows = rows
         return rows
+
+    def start_room(self, proc: EngineProcess) -> int:
+        """The bytes `proc` is guaranteed while it starts (policy.py, Note [room to
+        start]): its `start_room`, else the estimate, lowered by what its row held."""
+        return policy.start_room_for(
+            self.config.budget,
+            configured=proc.spec.start_room,
+            smallest_seen=proc.smallest_kv_seen,
+        )
+
+    def free_bytes(self, proc: EngineProcess) -> int | None:
+        """What the budget of `proc`'s ledger has free now; None without a ledger."""
+        ledger = self._ledgers.get(self._keys[proc.name])
+        return None if ledger is None else ledger.totals().free
 
     def ledger_key(self, proc: EngineProcess) -> str:
         """The key of the ledger `proc`'s engine charges (`Launcher.ledger_key`)."""
@@ -1050,7 +1136,14 @@ class Supervisor:
             self._history.append({"t": time.time(), "kv": kv})
         views = {name: self._view(proc, rows.get(name)) for name, proc in self.processes.items()}
         decisions = self._decide(list(views.values()), now)
+        budget = self.config.budget
+        given = {n: budget if v is None else v for n, v in decisions.limits.items()}
+        total = sum(given.values())
+        self.decisions += 1
         for name, proc in self.processes.items():
+            foreign = self._foreign.get(self._keys[name], 0)
+            proc.room_left = budget - foreign - (total - given.get(name, 0))
+            proc.room_decided = self.decisions
             proc.waiting_reason = decisions.waiting.get(name)
             limit = decisions.limits.get(name, proc.spec.limit)
             if name in decisions.sleep:
@@ -1086,6 +1179,7 @@ class Supervisor:
             reserved=0 if row is None else row.reserved,
             denied=0 if row is None else row.denied,
             awake_since=proc._awake_since,
+            start_room=self.start_room(proc),
         )
 
     def _decide(self, views: list[policy.ModelView], now: float) -> policy.Decisions:
