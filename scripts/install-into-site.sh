@@ -2,7 +2,8 @@
 # On the device: install kvcached from this tree into an engine's site (the --target
 # folder its PYTHONPATH names) as a distribution, so the engine's entry-point lookup
 # finds the plugin. No dependencies (the site has the engine's), except kvcached's two
-# small ones from .whl/ where the command carried them (the vLLM recipe's site lacks them).
+# small ones from .whl/ where the command carried them (the vLLM recipe's site lacks them),
+# and the API servers' from .whl-serve/.
 #   bash scripts/install-into-site.sh /tmp/site
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -11,6 +12,12 @@ if ls "$repo"/.whl/pydantic_settings-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$repo"/.whl/pydantic_settings-*.whl "$repo"/.whl/python_dotenv-*.whl \
         || exit 1
+fi
+# vLLM's API server and kvcached serve's router (uvicorn & co.), where the command carried
+# them (`vllm-gpu-run.sh serve`)
+if ls "$repo"/.whl-serve/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$repo"/.whl-serve/*.whl || exit 1
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
     --target "$site" "$repo" || exit 1

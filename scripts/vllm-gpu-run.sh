@@ -15,6 +15,12 @@
 #              (/tmp/m-q8b, made first if missing, 16 GiB of bf16; one pair:
 #              SLEEP_Q8B_PAIRS), SLEEP_Q06=0 skips the 0.6B model (to run the 8B alone);
 #              SLEEP_RUNNER=v1|v2 picks the model runner (default: vLLM's)
+#   serve      benchmarks/serve_multi_model.py: `kvcached serve` with three Qwen3-0.6B-shaped
+#              models and one Qwen3-8B-shaped (/tmp/m-q8b, made first if missing; its burst
+#              rate a quarter of the others') behind the router, against a static split of
+#              the same KV memory (SERVE_BUDGET, default 8GiB) with plain vLLM; SERVE_MODES
+#              (default "kvcached static") picks the set-ups, SERVE_RATES the burst rates.
+#              Needs vLLM's API server: the command must carry .whl-serve (uvicorn & co.)
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
 #   TP=2 RUNNERS=v1 bash scripts/vllm-gpu-run.sh overhead
@@ -66,7 +72,25 @@ for step in "$@"; do
                 | grep '_summary\|"error"' || status=1
         fi
         ;;
-    *) echo "unknown step $step (overhead, multi, sleep)"; status=2 ;;
+    serve)
+        if [ ! -f /tmp/m-q8b/config.json ]; then
+            make=$repo/.devwheels/tools/make_random_model.py
+            [ -f "$make" ] || make=$repo/../shared/device-vllm/make_random_model.py
+            python3 "$make" /tmp/m-q8b qwen3-8b > "$out/make_q8b.log" 2>&1 \
+                || { tail -n 20 "$out/make_q8b.log"; status=1; }
+        fi
+        for mode in ${SERVE_MODES:-kvcached static}; do
+            python3 "$repo/benchmarks/serve_multi_model.py" --mode "$mode" \
+                --budget "${SERVE_BUDGET:-8GiB}" --rates "${SERVE_RATES:-2,4,8,16,32}" \
+                --model a=/tmp/m-q06 --model b=/tmp/m-q06 --model c=/tmp/m-q06 \
+                --model big=/tmp/m-q8b@0.25 --gpu-mem 0.1,big=0.2 \
+                --out "$out/serve_multi_model.jsonl" --keep-logs "$out/serve-logs" \
+                > "$out/serve_multi_model_$mode.log" 2>&1 || status=1
+            grep -h '"burst_rate"\|"summary"\|"error"\|"wake"' "$out/serve_multi_model_$mode.log" \
+                | cut -c1-400 | tail -n 12
+        done
+        ;;
+    *) echo "unknown step $step (overhead, multi, sleep, serve)"; status=2 ;;
     esac
 done
 exit $status
