@@ -588,6 +588,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="an argument for every vLLM (repeat; default: the GPU set)",
     )
+    ap.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        default="off",
+        help="vLLM's prefix cache in both modes (default off: the prompts are random, so it "
+        "hits nothing, and with it on kvcached's engines keep finished requests' blocks "
+        "until budget pressure evicts them, which the first H200 run measured)",
+    )
     ap.add_argument("--start-timeout", type=float, default=400.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -613,6 +621,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.sleep = "kv"
     elif a.engine_args is None:
         a.engine_args = list(GPU_ENGINE_ARGS)
+    if a.prefix_caching == "off":
+        a.engine_args = [*a.engine_args, "--no-enable-prefix-caching"]
     a.rate_list = [float(x) for x in a.rates.split(",") if x]
     default, per = 0.1, {}
     for part in a.gpu_mem.split(","):

@@ -38,9 +38,15 @@ order, the same for every engine:
    that cover the excess (`Reclaim.nbytes`), those that empty pages first. Checked busy
    or idle, at most every `CHECK_S`.
 2. `pressure`: the device budget has no room for one more page id, so another instance
-   (or this one) cannot grow: unused blocks and one page id's worth of cached blocks.
-   At most every `PRESSURE_EVERY_S`, so that a busy instance gives back steadily rather
-   than flushing in one go a cache it may need again soon. Checked busy or idle.
+   (or this one) cannot grow: unused blocks and cached blocks worth `PRESSURE_SHARE` of
+   what the instance holds (at least one page id). At most every `PRESSURE_EVERY_S`, so
+   that a busy instance gives back steadily rather than flushing in one go a cache it may
+   need again soon. The share, not a fixed amount, because the rate at which memory must
+   come back grows with the memory held: on the H200, four vLLM engines sharing 8 GiB
+   with vLLM's prefix cache on gave back one page id (56 MiB) per turn, while a burst on
+   one of them needed about a GiB within a second; it queued for seconds (p99 TTFT 8.4 s
+   against 0.64 s for a static split, benchmarks/results/h200-2026-12-02/
+   serve-prefix-cache-on/). Checked busy or idle.
 3. `idle`: no request has held memory for KVCACHED_CACHE_IDLE_EVICT seconds: every
    unused and cached block. Once per idle period (the engine's next request starts a
    new one). Checked only while the engine is idle, so that a request arriving after a
@@ -75,6 +81,8 @@ RACE_RETRY_S = 2.0
 CHECK_S = 0.05
 #: under budget pressure, at most this often (seconds) is memory given back
 PRESSURE_EVERY_S = 0.5
+#: and each time this share of what the instance holds (at least one page id)
+PRESSURE_SHARE = 1 / 8
 
 ReclaimReason = Literal["limit", "pressure", "idle"]
 
@@ -178,6 +186,13 @@ class ElasticSupply:
         allocator = self.allocator
         return max(0, allocator.reserved_bytes - allocator.effective_limit)
 
+    def pressure_bytes(self) -> int:
+        """What one turn under pressure gives back: `PRESSURE_SHARE` of the bytes held,
+        in whole page ids, at least one (Note [One reclaim policy])."""
+        unit = self.page_id_bytes
+        share = int(self.allocator.reserved_bytes * PRESSURE_SHARE) // unit * unit
+        return max(unit, share)
+
     def under_pressure(self) -> bool:
         """The device budget has no room for one more page id: some instance, this one
         or another, cannot grow."""
@@ -240,7 +255,7 @@ class ElasticSupply:
         if excess > 0:
             return Reclaim("limit", excess)
         if now - self._pressure_at >= PRESSURE_EVERY_S and self.under_pressure():
-            return Reclaim("pressure", self.page_id_bytes)
+            return Reclaim("pressure", self.pressure_bytes())
         since = self._idle_since
         if not idle or since is None or self._idle_done:
             return None

@@ -309,6 +309,29 @@ def _serve_demo(files: dict[str, Rows]) -> list[str]:
     return _table([*header, "restarts", "states", "peak KV bytes", "errors"], body)
 
 
+def _serve_multi_model(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for name, rows in files.items():
+        for r in rows:
+            if "burst_rate" in r:
+                body.append(
+                    [f"`{Path(name).parent.name}/{Path(name).name}`", r["mode"], r["burst_rate"],
+                     f"{r['ok']}/{r['requests']}", _round(r["ttft_p50_s"], 3),
+                     _round(r["ttft_p99_s"], 3), r["output_tokens_per_s"],
+                     "yes" if r["holds_slo"] else "no"]
+                )  # fmt: skip
+            elif "wake" in r:
+                body.append(
+                    [f"`{Path(name).parent.name}/{Path(name).name}`", f"{r['mode']}: wake",
+                     r["wake"], "ok" if r["ok"] else "failed", "",
+                     _round(r["asleep_to_first_token_s"], 3), "", ""]
+                )  # fmt: skip
+    header = ["file", "mode", "burst rate req/s (wake: model)", "served", "TTFT p50 s"]
+    return _table(
+        [*header, "TTFT p99 s (wake: asleep → first token)", "output tok/s", "p99 ≤ 1 s"], body
+    )
+
+
 def _serve_crash(files: dict[str, Rows]) -> list[str]:
     (rows,) = files.values()
     body = []
@@ -440,6 +463,24 @@ SECTIONS = (
         "`vllm_overhead_v1_1024.jsonl` vLLM's own first batch gave other tokens than its "
         "later ones; every kvcached batch there matched those later ones.",
         _vllm_overhead,
+    ),
+    Section(
+        "kvcached serve: several models on one GPU (H200)",
+        "benchmarks/serve_multi_model.py",
+        (
+            "h200-2026-12-02/serve/kvcached.jsonl",
+            "h200-2026-12-02/serve/static.jsonl",
+            "h200-2026-12-02/serve/extra-rates.jsonl",
+            "h200-2026-12-02/serve-prefix-cache-on/kvcached.jsonl",
+            "h200-2026-12-02/serve-prefix-cache-on/static.jsonl",
+        ),
+        "Three Qwen3-0.6B-shaped models and one Qwen3-8B-shaped (a quarter of the load) "
+        "with 8 GiB of KV together: `kvcached` behind `kvcached serve` (sleep `weights`), "
+        "`static` four plain vLLM servers with 2 GiB each; phase-shifted 10 s bursts, "
+        "1 request/s per model outside them, 1-2K-token prompts; one run per rate (the "
+        "folder's README). `serve-prefix-cache-on`: vLLM's prefix cache on, before the "
+        "pressure rule gave back a share of what an instance holds.",
+        _serve_multi_model,
     ),
     Section(
         "Several vLLM instances under bursty load (H200)",

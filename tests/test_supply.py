@@ -164,6 +164,23 @@ def test_pressure_is_given_back_at_most_every_pressure_period(backing: BackingBu
         assert elastic.decide(idle=False, now=now + supply.PRESSURE_EVERY_S) is not None
 
 
+def test_pressure_gives_back_a_share_of_what_the_instance_holds(backing: BackingBuffer) -> None:
+    # one page id per turn was too slow for a neighbour's burst on the H200
+    # (Note [One reclaim policy]); a large holder gives back an eighth of it per turn
+    budget = LocalBudget(total=20 * G)
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.take(BLOCKS) is not None  # holds all 16 page ids of its range
+        assert budget.account().try_charge(4 * G)  # a neighbour took the rest
+        assert elastic.decide(idle=False) == Reclaim("pressure", 2 * G)
+        assert elastic.pressure_bytes() == 2 * G
+    budget = LocalBudget(total=4 * G)
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.take(BPP) is not None  # a small holder: one page id, never 0
+        assert elastic.pressure_bytes() == G
+
+
 def test_an_idle_period_gives_its_cache_back_once_and_only_while_idle(
     backing: BackingBuffer,
 ) -> None:
