@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-bytes", type=int, default=1 << 20)
     parser.add_argument("--start-delay", type=float, default=0.0)
     parser.add_argument("--exit-at-start", type=int, default=None)
+    parser.add_argument("--weights-gib", type=float, default=0.25, help="logged as vLLM does")
     args = parser.parse_args(argv)
     if args.exit_at_start is not None:
         print(f"fake engine {args.name}: told to exit at start", file=sys.stderr, flush=True)
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args)
     try:
         print(f"fake engine {args.name}: row {engine.account.name}", flush=True)
+        # the line vLLM's model runner logs, for the supervisor's weights figure
+        print(f"Model loading took {args.weights_gib:g} GiB and 0.01 seconds", flush=True)
         time.sleep(args.start_delay)
         config = uvicorn.Config(
             build_app(engine), host=args.host, port=args.port, log_level="warning",

@@ -28,18 +28,20 @@ from serve_harness import ledger_rows, process_exists  # tests/, on sys.path und
 
 from kvcached.apps.serve import launchers
 from kvcached.apps.serve.config import ModelSpec, ServeConfig
-from kvcached.apps.serve.launchers import HttpCall, Launcher
+from kvcached.apps.serve.launchers import MLX, VLLM, HttpCall, Launcher
 from kvcached.apps.serve.state import ModelState, ModelUnavailable, UnknownModel
 from kvcached.apps.serve.supervisor import (
     GAVE_UP_RETRY_S,
     QUEUE_FULL_RETRY_S,
     RestartPolicy,
     Supervisor,
+    WeightsFromLog,
 )
 from kvcached.errors import InvalidArgument
 from kvcached.ledger import Ledger
 
 MiB = 1 << 20
+GiB = 1 << 30
 FAKE_ENGINE = Path(__file__).with_name("serve_fake_engine.py")
 
 #: the stand-in engine, run like vLLM would be (its weights-sleep calls are vLLM's)
@@ -49,6 +51,7 @@ FAKE = Launcher(
     owned=("--name", "--host", "--port"),
     weights_sleep=HttpCall("POST", "/sleep"),
     weights_wake=HttpCall("POST", "/wake_up"),
+    weights_log=VLLM.weights_log,  # the fake engine logs vLLM's line
 )
 FAST_RESTART = RestartPolicy(base_s=0.2, cap_s=1.0, max_failures=3, window_s=60.0)
 
@@ -510,6 +513,48 @@ def test_weights_sleep_calls_the_engine(tmp_path: Path, ledger_dir: Path) -> Non
             await sup.stop()
 
     run(body)
+
+
+def test_weights_figure_is_the_engines_own_log_line_of_this_run(
+    tmp_path: Path, ledger_dir: Path
+) -> None:
+    cfg = config(tmp_path, model(keep_alive=0.3, sleep="weights"))
+    log = tmp_path / "logs" / "m.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("Model loading took 9 GiB and 1.0 seconds\n")  # an earlier run's
+    sup = supervisor(cfg)
+
+    async def body() -> None:
+        try:
+            proc = sup.handle("m")
+            assert proc.weights_bytes() == 0  # not started: nothing loaded
+            await sup.start(wait=True)
+            await until(lambda: proc.weights_bytes() is not None, 10, "weights logged")
+            assert proc.weights_bytes() == GiB // 4  # this run's line, not the stale 9 GiB
+            await until(lambda: proc.state is ModelState.ASLEEP, 10, "asleep")
+            assert sup.snapshot()["models"][0]["weights_bytes"] == 0  # weights asleep
+            async with proc.serving(timeout=10):
+                assert proc.weights_bytes() == GiB // 4
+        finally:
+            await sup.stop()
+
+    run(body)
+
+
+def test_weights_figure_is_unknown_for_an_engine_that_logs_none(tmp_path: Path) -> None:
+    silent = WeightsFromLog(tmp_path / "m.log", None)
+    (tmp_path / "m.log").write_text("Model loading took 1 GiB and 1.0 seconds\n")
+    assert silent.read() is None
+    watch = WeightsFromLog(tmp_path / "m.log", VLLM.weights_log)
+    assert watch.read() == GiB
+    with (tmp_path / "m.log").open("a") as fh:
+        fh.write("loaded m (3.5 MiB of weights)\nModel loading took 0.5 GiB an")  # half a line
+    assert watch.read() == GiB  # a line not yet ended is not read
+    with (tmp_path / "m.log").open("a") as fh:
+        fh.write("d 1.0 seconds\n")
+    assert watch.read() == GiB // 2
+    mlx = WeightsFromLog(tmp_path / "m.log", MLX.weights_log)
+    assert mlx.read() == int(3.5 * MiB)
 
 
 def test_unload_stops_the_engine_and_the_next_request_starts_it(

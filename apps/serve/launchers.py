@@ -129,6 +129,10 @@ class Launcher:
             only for a model that sleeps its weights.
         weights_unavailable: a check returning why `sleep: weights` cannot work here
             (None: it can), run before anything starts.
+        weights_log: a regular expression for the line the engine logs when its weights
+            are loaded, with two groups, a number and its unit (B, KiB, MiB, GiB): the
+            engine's own figure of the memory its weights took, which the snapshot shows
+            (None: the engine logs none, and the snapshot shows its weights as unknown).
     """
 
     engine: str
@@ -144,6 +148,7 @@ class Launcher:
     weights_args: tuple[str, ...] = ()
     weights_env: Mapping[str, str] = field(default_factory=dict)
     weights_unavailable: Callable[[], str | None] | None = None
+    weights_log: str | None = None
 
     def command(self, spec: ModelSpec, host: str, port: int) -> list[str]:
         """The full command line that runs `spec` on `host`:`port`."""
@@ -258,6 +263,9 @@ VLLM = Launcher(
     weights_args=("--enable-sleep-mode",),
     weights_env={"VLLM_SERVER_DEV_MODE": "1"},  # serves /sleep and /wake_up
     weights_unavailable=_vllm_weights_unavailable,
+    # the model runner's "Model loading took 1.12 GiB and 2.06 seconds" (0.26; 0.32 says
+    # "GiB memory and"): the device memory loading took, as vLLM measured it
+    weights_log=r"Model loading took ([0-9.]+) (GiB)",
 )
 
 SGLANG = Launcher(
@@ -285,6 +293,8 @@ MLX = Launcher(
     ledger_backend="mlx",
     weights_sleep=HttpCall("POST", "/api/unload", {"model": "{name}"}),
     weights_wake=None,  # the next request loads the weights again
+    # serve-mlx's "loaded NAME (1.2 MiB of weights)", logged at each (re)load
+    weights_log=r"loaded \S+ \(([0-9.]+) (B|KiB|MiB|GiB) of weights\)",
 )
 
 #: the launchers by `ModelSpec.engine`

@@ -133,12 +133,12 @@ class ModelSnapshot(TypedDict):
     limit_bytes: int | None
     kv_reserved: int
     kv_used: int
-    #: None for every engine so far, as no honest figure reaches the supervisor: the
-    #: ledger charges vLLM's and SGLang's KV only, neither engine's API reports the size
-    #: of its weights, and a process's memory counts host pages, not device memory.
-    #: serve-mlx charges its weights to its row (so they are in `kv_reserved`) and says
-    #: how much in `GET /api/ps` (`weight_bytes`): reading that is an engine call, for
-    #: the engine's `launchers.Launcher` to declare, not yet made.
+    #: the memory its weights hold, as the engine logged it when it loaded them (vLLM's
+    #: "Model loading took X GiB", serve-mlx's "loaded NAME (X of weights)":
+    #: `launchers.Launcher.weights_log`); 0 with no process or with the weights asleep;
+    #: None when the engine has not said (SGLang: no pattern yet). The ledger charges
+    #: vLLM's and SGLang's KV only; serve-mlx charges its weights to its row too, so
+    #: for an MLX model they are also part of `kv_reserved`.
     weights_bytes: int | None
     in_flight: int
     queued: int

@@ -85,6 +85,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -269,6 +270,51 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+class WeightsFromLog:
+    """The memory an engine's weights took, as the engine itself logged it
+    (`Launcher.weights_log`): the last matching line of the current run, read from the
+    model's log as it grows, a bounded piece per look, so that a snapshot costs a `stat`
+    and the new bytes, never the whole file. None until such a line appears, and always
+    for an engine without a pattern."""
+
+    #: the most new log read per look (a chatty engine's backlog is read over several)
+    READ_LIMIT = 1 << 20
+
+    def __init__(self, path: Path, pattern: str | None) -> None:
+        self.path = path
+        self.pattern = None if pattern is None else re.compile(pattern)
+        self.offset = 0
+        self.value: int | None = None
+        self._partial = b""  # a line not yet ended
+
+    def restart(self, offset: int) -> None:
+        """A new run of the engine writes from `offset` on: earlier lines are not its."""
+        self.offset, self.value, self._partial = offset, None, b""
+
+    def read(self) -> int | None:
+        if self.pattern is None:
+            return None
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read(self.READ_LIMIT)
+        except OSError:
+            return self.value
+        if not chunk:
+            return self.value
+        self.offset += len(chunk)
+        *lines, rest = (self._partial + chunk).split(b"\n")
+        self._partial = rest[-self.READ_LIMIT :]
+        for line in lines:
+            found = self.pattern.search(line.decode(errors="replace"))
+            if found is not None:
+                self.value = int(float(found.group(1)) * _UNITS[found.group(2)])
+        return self.value
+
+
 def _log_file_name(name: str) -> str:
     """A model's log file name: its name with '/' (allowed in model names) as '_'."""
     return name.replace("/", "_") + ".log"
@@ -292,6 +338,7 @@ class EngineProcess:
         self._stats = ModelStats()
         self.port: int | None = None
         self.log_path = supervisor.log_dir / _log_file_name(spec.name)
+        self._weights = WeightsFromLog(self.log_path, launcher.weights_log)
         #: the ledger limit the policy gives this model while it is awake
         self.target_limit: int | None = spec.limit
         self._proc: asyncio.subprocess.Process | None = None
@@ -521,6 +568,7 @@ class EngineProcess:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 out.write(f"\n=== kvcached serve, {stamp}: {' '.join(command)}\n".encode())
                 out.flush()
+                self._weights.restart(out.tell())
                 spawn = asyncio.ensure_future(
                     asyncio.create_subprocess_exec(
                         *command,
@@ -812,6 +860,17 @@ class EngineProcess:
         self._next_restart = None
         await self._run(self._do_start)
 
+    def weights_bytes(self) -> int | None:
+        """What its weights hold now, by the engine's own log line (`WeightsFromLog`):
+        0 with no process, or asleep at a level that let the weights go; None when the
+        engine has not said."""
+        state = self._state
+        if state in (ModelState.STOPPED, ModelState.FAILED):
+            return 0
+        if state is ModelState.ASLEEP and self.spec.sleep != "kv":
+            return 0
+        return self._weights.read()
+
     def _set_state(self, state: ModelState, detail: str) -> None:
         self._state = state
         self.detail = detail
@@ -910,7 +969,7 @@ class Supervisor:
                     limit_bytes=row.limit if row is not None else proc.target_limit,
                     kv_reserved=row.reserved if row is not None else 0,
                     kv_used=row.used if row is not None else 0,
-                    weights_bytes=None,
+                    weights_bytes=proc.weights_bytes(),
                     in_flight=stats.in_flight,
                     queued=stats.queued,
                     requests_total=stats.requests_total,
