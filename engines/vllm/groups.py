@@ -16,6 +16,20 @@ frees the blocks that slid out of its window through the pool like any other fre
 they are released (or kept as prefix cache and evicted page-aware) at once. Layers that
 read another layer's KV (cross-layer sharing) own no spec and no memory.
 
+Chunked local attention (Llama 4) is a window that jumps: a token attends to the tokens
+of its own `attention_chunk_size` chunk only, so once a sequence has computed past a
+chunk boundary its chunked group needs none of the blocks before it. vLLM's chunked
+manager counts those tokens as skipped and frees their blocks through the pool, as the
+sliding-window manager does (leaving the null block in their place in the block table,
+which the chunk's attention never reads); a prefix hit gives the chunked group null
+blocks for the chunks behind it and cached blocks only inside the current one. So
+kvcached needs nothing beyond what a sliding window needs: the freed blocks go back to
+the supply (or stay as prefix cache) while the full-attention group of the same
+sequence keeps its own blocks for the same tokens, and since 0.32 vLLM-CPU gives the
+chunked layers their own group in the shared pool (the hybrid allocator is on unless
+`VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0`; off, vLLM turns them into full
+attention groups, served as such).
+
 Gated DeltaNet (Mamba-style) layers fit the same pool: vLLM pads a layer's state (its
 conv and SSM tensors) to the attention page size, so one state is one block, viewed
 inside the layer's buffer at ``b * block_stride`` like a KV block. A sequence that has
@@ -39,7 +53,8 @@ from typing import Any
 SERVED: dict[str, str] = {
     "FullAttentionSpec": "full attention (Qwen3)",
     "SlidingWindowSpec": "sliding-window attention beside full attention (GPT-OSS, Gemma-4)",
-    "MLAAttentionSpec": "multi-head latent attention (DeepSeek-V2)",
+    "ChunkedLocalAttentionSpec": "chunked local attention beside full attention (Llama 4)",
+    "MLAAttentionSpec": "multi-head latent attention (DeepSeek-V2, DeepSeek-V3)",
     "MambaSpec": "Gated DeltaNet state beside attention (Qwen3-Next)",
 }
 

@@ -393,6 +393,7 @@ CONTACTS: tuple[Contact, ...] = (
         (
             f"{_KV}:FullAttentionSpec",
             f"{_KV}:SlidingWindowSpec",
+            f"{_KV}:ChunkedLocalAttentionSpec",
             f"{_KV}:MLAAttentionSpec",
             f"{_KV}:MambaSpec",
             "vllm.config:ModelConfig.architectures",

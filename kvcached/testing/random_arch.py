@@ -2,11 +2,11 @@
 
 `random_model.py` writes Qwen3/Llama checkpoints by hand; the other rows of
 `docs/compatibility.md` have structures too varied to spell out tensor by tensor
-(mixture of experts, Gated DeltaNet, per-layer embeddings, latent attention), so this
-module lets the installed transformers build them: a config holding the published
-values of the representative model, `from_config` with a seeded generator, then the
-same sharpening as `random_model.py` (query/key projections scaled by `attention_gain`,
-embeddings by 50) so that a wrong KV block changes greedy tokens.
+(mixture of experts, Gated DeltaNet, per-layer embeddings, latent attention, chunked
+local attention), so this module lets the installed transformers build them: a config
+holding the published values of the representative model, `from_config` with a seeded
+generator, then the same sharpening as `random_model.py` (query/key projections scaled
+by `attention_gain`, embeddings by 50) so that a wrong KV block changes greedy tokens.
 
 `ARCHITECTURES` names each row. `real` is the representative's own config (the values
 its Hugging Face `config.json` publishes, the fields that shape the KV cache at least);
@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: the vocabulary of every scaled model (the locally trained tokenizer's size)
 SCALED_VOCAB = 1024
@@ -57,7 +59,7 @@ class Architecture:
         raise ValueError(f"scale={scale!r}: accepted are 'real', 'scaled' and 'gpu'")
 
 
-def _alternating(first: str, second: str, every: int, layers: int) -> list[str]:
+def _alternating(first: T, second: T, every: int, layers: int) -> list[T]:
     """`every - 1` layers of `first`, then one of `second`, repeated over `layers`."""
     return [second if (i + 1) % every == 0 else first for i in range(layers)]
 
@@ -71,6 +73,29 @@ _GPT_OSS_ROPE = {
     "beta_slow": 1.0,
     "original_max_position_embeddings": 4096,
     "truncate": False,
+}
+
+#: Llama 4 Scout's published rotary embedding (Llama 3's frequency bands, 16x over an
+#: 8,192-token original context); the layers without RoPE ignore it
+_LLAMA4_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 16.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+}
+
+#: DeepSeek-V3's published rotary embedding (YaRN, 40x over a 4,096-token context)
+_DEEPSEEK_V3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
 }
 
 #: the Gated DeltaNet layers Qwen3-Next and Qwen3.5 publish alike
@@ -407,6 +432,138 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "vocab_size": SCALED_VOCAB,
             },
         ),
+        Architecture(
+            # DeepSeek-V3's class and config path: the same MLA cache as V2-Lite's row,
+            # reached through a low-rank query and V3's router (sigmoid scores with a
+            # correction bias, the best experts of the best groups, scaled outputs)
+            name="mla-large-moe",
+            representative="deepseek-ai/DeepSeek-V3",
+            gpu_trim={"num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 16},
+            cpu_dtype="bfloat16",
+            architecture="DeepseekV3ForCausalLM",
+            why_hard="MLA (576-wide latent per token and layer) behind a low-rank query; "
+            "256 experts routed by group (noaux_tc), dense first layers",
+            common={
+                "model_type": "deepseek_v3",
+                "architectures": ["DeepseekV3ForCausalLM"],
+                # V3's router, read by vLLM (and SGLang) though transformers' class
+                # declares only the group counts
+                "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid",
+                "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5,
+                "moe_layer_freq": 1,
+                "rope_parameters": _DEEPSEEK_V3_ROPE,
+            },
+            real={
+                "hidden_size": 7168,
+                "intermediate_size": 18432,
+                "moe_intermediate_size": 2048,
+                "num_hidden_layers": 61,
+                "num_attention_heads": 128,
+                "num_key_value_heads": 128,
+                "kv_lora_rank": 512,
+                "q_lora_rank": 1536,
+                "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "n_routed_experts": 256,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 8,
+                "n_group": 8,
+                "topk_group": 4,
+                "first_k_dense_replace": 3,
+                "vocab_size": 129280,
+                "max_position_embeddings": 163840,
+            },
+            # 8 experts in 4 groups of 2 (V3 scores a group by its best two), 2 groups
+            # kept: routing by group still excludes experts; one dense layer first
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "moe_intermediate_size": 64,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                # the real latent (512 + 64 = 576 per token): vLLM-CPU's MLA takes only 576
+                "kv_lora_rank": 512,
+                "q_lora_rank": 64,
+                "qk_nope_head_dim": 32,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 32,
+                "n_routed_experts": 8,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 2,
+                "n_group": 4,
+                "topk_group": 2,
+                "first_k_dense_replace": 1,
+                "vocab_size": SCALED_VOCAB,
+                "max_position_embeddings": 163840,
+            },
+        ),
+        Architecture(
+            # the text model of Scout (its checkpoints are Llama4ForConditionalGeneration;
+            # vLLM serves the text part as this class): RoPE layers attend within their
+            # chunk only, every 4th layer has no RoPE and attends to everything
+            name="chunked-local-attention",
+            representative="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+            gpu_trim={
+                "num_hidden_layers": 4,
+                "no_rope_layers": _alternating(1, 0, 4, 4),
+                "num_local_experts": 4,
+            },
+            cpu_dtype="bfloat16",
+            architecture="Llama4ForCausalLM",
+            why_hard="chunked local attention (3 of 4 layers see only their chunk, whose "
+            "older blocks are freed as it moves on) beside full attention without RoPE; MoE",
+            common={
+                "model_type": "llama4_text",
+                "architectures": ["Llama4ForCausalLM"],
+                "use_qk_norm": True,
+                "attn_temperature_tuning": True,
+                "floor_scale": 8192,
+                "attn_scale": 0.1,
+                "rope_parameters": _LLAMA4_ROPE,
+            },
+            real={
+                "hidden_size": 5120,
+                "intermediate_size": 8192,
+                "intermediate_size_mlp": 16384,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 40,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "num_local_experts": 16,
+                "num_experts_per_tok": 1,
+                "interleave_moe_layer_step": 1,
+                "attention_chunk_size": 8192,
+                # published empty: transformers derives it, a NoPE layer every 4th
+                "no_rope_layers": _alternating(1, 0, 4, 48),
+                "vocab_size": 202048,
+                "max_position_embeddings": 10485760,
+            },
+            # a 256-token chunk (two 128-token CPU blocks): the 300-token prompts cross
+            # its boundary, so the chunked group frees its first blocks while the full
+            # group keeps them, and a prefix hit gives it null blocks in their place
+            scaled={
+                "hidden_size": 128,
+                "intermediate_size": 64,
+                "intermediate_size_mlp": 256,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 1,
+                "interleave_moe_layer_step": 1,
+                "attention_chunk_size": 256,
+                "no_rope_layers": _alternating(1, 0, 4, 4),
+                "vocab_size": SCALED_VOCAB,
+                # past the rotary embedding's original 8,192 (transformers checks),
+                # short of the real 10M positions vLLM would tabulate
+                "max_position_embeddings": 131072,
+            },
+        ),
     )
 }
 
@@ -414,7 +571,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 def _sharpen(name: str, value: Any, attention_gain: float) -> Any:
     """Scale query/key projections (and q/k norms) by the gain, embeddings by 50."""
     root = attention_gain**0.5
-    if any(part in name for part in (".q_proj.", ".k_proj.", ".q_a_proj.", ".kv_a_proj")):
+    # a low-rank query (DeepSeek-V3's q_lora_rank) is normalised between its two
+    # projections, so only the second one's scale reaches the scores
+    projections = (".q_proj.", ".k_proj.", ".q_a_proj.", ".q_b_proj.", ".kv_a_proj")
+    if any(part in name for part in projections):
         return value * root
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return value * root if float(value.abs().mean()) > 0.5 else value + (root - 1.0)

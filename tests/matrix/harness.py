@@ -97,6 +97,7 @@ SGLANG_ATTENTION_BACKENDS = {
     "GptOssForCausalLM": "fa3",
     "Gemma4ForCausalLM": "triton",
     "DeepseekV2ForCausalLM": "fa3",
+    "DeepseekV3ForCausalLM": "fa3",  # the same MLA model class in SGLang as V2's
 }
 #: the kvcached run's ledger budget, the benchmark's (the pool is sized from it)
 SGLANG_BUDGET = "40GiB"

@@ -3,10 +3,10 @@
 A module-wide harness run (tests/matrix/harness.py: every architecture with and without
 kvcached) judges every row; the committed table (tests/matrix/results/vllm-cpu.json,
 rendered into docs/compatibility.md) must say what the code does now, and no row may
-crash or garble. Each newly served layout (hybrid KV cache groups, MLA) also shows that
-its equality can fail: in the harness's corruption run of the row, held KV blocks are
-swapped midway through the batch's decode (while the running requests hold them), and
-the later tokens differ from vLLM's own.
+crash or garble. Each newly served layout (hybrid KV cache groups, MLA, chunked local
+attention) also shows that its equality can fail: in the harness's corruption run of the
+row, held KV blocks are swapped midway through the batch's decode (while the running
+requests hold them), and the later tokens differ from vLLM's own.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ pytestmark = pytest.mark.slow
 
 COMMITTED = Path(__file__).parent / "results" / "vllm-cpu.json"
 #: rows the adapter serves beyond full attention (groups.py: KV cache groups, Gated
-#: DeltaNet state, MLA)
+#: DeltaNet state, MLA, chunked local attention)
 NEWLY_SERVED = (
     "sliding-window-hybrid",
     "hybrid-linear-attention-moe",
     "cross-layer-kv-sharing",
     "heterogeneous-kv-groups",
     "mla",
+    "mla-large-moe",
+    "chunked-local-attention",
 )
 #: 16 page ids of 64 KiB, each two 32 KiB blocks (a layer's state or 128 tokens of KV):
 #: 8 sequences of 300 tokens need a state block and 3 KV blocks each, 32 and the null
