@@ -94,9 +94,12 @@ def assert_trimmed(round_: dict[str, Any], copies: int = 1, *, null_kept: bool =
             assert state["extents"] == []
             assert state["used_blocks"] == 0 and not state["null_block_mapped"]
             # right after the sleep too: it waited for the pool thread's growth in
-            # flight (PageAllocator.pause_growth), so nothing lands after the trim
-            assert state["allocator_reserved"] == 0
-            assert state["row_reserved"] == 0
+            # flight (PageAllocator.pause_growth), so nothing lands after the trim; with
+            # tensor parallelism the released extents' refund waits for the workers'
+            # next step, so only the settled snapshot must be back to 0
+            if state is settled or copies == 1:
+                assert state["allocator_reserved"] == 0
+                assert state["row_reserved"] == 0
     assert round_["is_asleep"] and not round_["asleep_after_wake"]
     assert woken["allocator_limit"] is None  # the limit it had before the sleep
     assert woken["null_block_mapped"] and woken["extents"][0] == [0, 1]

@@ -53,11 +53,13 @@ def _corrupt_held_blocks() -> int:
     held = [b for b in range(1, group.num_blocks) if allocator.is_allocated(b)]
     if len(held) < 2:
         return len(held)  # nothing to swap with: reported, and the caller's test fails
-    # each block reads the one half the held list away: another request's, as a page
+    # each block reads the one a third of the held list away: another request's (or
+    # another KV group's: a half would pair the two groups of a sliding-window model
+    # block for block, tokens alike, and change nothing), as a page
     # mapped to the wrong place would give. A shift by one would mostly permute a
     # request's own blocks, which attention over a set of keys may not notice (the MLA
     # row on an AVX2 host: 80 blocks rotated by one changed no token)
-    shift = len(held) // 2
+    shift = max(1, len(held) // 3)
     for segment in group.segments:
         starts = [segment.offset + b * size for b in held]
         saved = [raw[s : s + size].clone() for s in starts]
