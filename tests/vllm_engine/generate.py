@@ -53,12 +53,11 @@ def _corrupt_held_blocks() -> int:
     held = [b for b in range(1, group.num_blocks) if allocator.is_allocated(b)]
     if len(held) < 2:
         return len(held)  # nothing to swap with: reported, and the caller's test fails
-    # each block reads the one a third of the held list away: another request's (or
-    # another KV group's: a half would pair the two groups of a sliding-window model
-    # block for block, tokens alike, and change nothing), as a page
-    # mapped to the wrong place would give. A shift by one would mostly permute a
-    # request's own blocks, which attention over a set of keys may not notice (the MLA
-    # row on an AVX2 host: 80 blocks rotated by one changed no token)
+    # each block reads the block a third of the held list away, as a page mapped to
+    # the wrong place would: mostly another request's or another KV group's. A shift by
+    # one mostly permutes a request's own blocks, which attention over a set of keys may
+    # not notice (the MLA row on an AVX2 host: 80 blocks, no token changed); a shift by
+    # half pairs a sliding-window model's two groups block for block and changed none
     shift = max(1, len(held) // 3)
     for segment in group.segments:
         starts = [segment.offset + b * size for b in held]
