@@ -14,8 +14,14 @@ Deterministic mode, as the device recipe found necessary for repeatable bf16 tok
 in-process engine core, all prompts queued before the first step, prefix caching off.
 
     python benchmarks/vllm_overhead.py MODEL [--repeats 3] [--runners v1,v2]
-        [--prompts 1024] [--prompt-len 128] [--max-tokens 128] [--gpu-mem 0.3]
-        [--budget 40GiB] [--token-max 20000] [--tp 1] [--out results.jsonl]
+        [--prompts 1024] [--prompt-len 128] [--prompt-len-max N] [--max-tokens 128]
+        [--gpu-mem 0.3] [--budget 40GiB] [--token-max 20000] [--tp 1] [--out results.jsonl]
+
+The summary's verdict is paired_ratios.py's: the median paired ratio with a bootstrap
+95 % interval, the target met only when the lower bound is >= 0.98 and the median >= 0.99.
+A run that can decide it (issue 22) is GPU-bound, KV reads dominating: the Qwen3-8B
+shape, prompts of 2K-6K tokens (`--prompt-len 2048 --prompt-len-max 6144`), 256 output
+tokens, CUDA graphs on (no `--eager`), >= 20 pairs; `scripts/vllm-gpu-run.sh overhead8b`.
 
 `--runners v1,v2` selects vLLM 0.26's Model Runner V1 or V2 (VLLM_USE_V2_MODEL_RUNNER);
 on vLLM-CPU pass `--runners cpu --eager --dtype float32` and small sizes.
@@ -33,6 +39,8 @@ import subprocess
 import sys
 import time
 from typing import IO, Any
+
+from paired_ratios import verdict  # benchmarks/, on sys.path as this script's folder
 
 
 def child(a: argparse.Namespace) -> None:
@@ -53,9 +61,10 @@ def child(a: argparse.Namespace) -> None:
         gpu_memory_utilization=a.gpu_mem,
     )
     rng = random.Random(0)
+    longest = max(a.prompt_len, a.prompt_len_max or 0)
+    lengths = [rng.randint(a.prompt_len, longest) for _ in range(a.prompts)]
     prompts = [
-        {"prompt_token_ids": [rng.randrange(10, a.token_max) for _ in range(a.prompt_len)]}
-        for _ in range(a.prompts)
+        {"prompt_token_ids": [rng.randrange(10, a.token_max) for _ in range(n)]} for n in lengths
     ]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
@@ -121,10 +130,19 @@ class Engine:
 
 
 def measure(
-    a: argparse.Namespace, runner: str, forwarded: list[str], log: IO[str]
+    a: argparse.Namespace, runner: str, forwarded: list[str], log: IO[str], out: IO[str] | None
 ) -> list[dict[str, Any]]:
-    """Start both engines of `runner`, then alternate timed batches; one record each."""
+    """Start both engines of `runner`, then alternate timed batches; one record each,
+    written to `out` as it comes (a run cut short by a device's time limit keeps them)."""
     records: list[dict[str, Any]] = []
+
+    def keep(record: dict[str, Any]) -> None:
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        if out:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
     engines: dict[bool, Engine] = {}
     startup: dict[bool, float] = {}
     try:
@@ -147,11 +165,9 @@ def measure(
                     "repeat": repeat, "startup_s": startup[kvcached],
                 }  # fmt: skip
                 record.update(engines[kvcached].run_batch())
-                records.append(record)
-                print(json.dumps(record), flush=True)
+                keep(record)
     except RuntimeError as exc:
-        records.append({"bench": "vllm_overhead", "runner": runner, "error": str(exc)[-3000:]})
-        print(json.dumps(records[-1]), flush=True)
+        keep({"bench": "vllm_overhead", "runner": runner, "error": str(exc)[-3000:]})
     finally:
         for engine in engines.values():
             engine.stop()
@@ -187,7 +203,7 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
         "tokens_per_s_vllm": off,
         "ratio": round(on / off, 4),
         "paired_ratios": [round(x, 4) for x in pairs],
-        "paired_ratio_median": round(statistics.median(pairs), 4) if pairs else None,
+        **verdict(pairs),
         "first_batch_ratio": round(
             median(first, True, "tokens_per_s") / median(first, False, "tokens_per_s"), 4
         ),
@@ -205,6 +221,8 @@ def main() -> None:
     ap.add_argument("--runners", default="v1,v2")
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len-max", type=int, default=None,
+                    help="prompt lengths drawn uniformly from [--prompt-len, this]")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
@@ -221,6 +239,10 @@ def main() -> None:
     if a.child:
         child(a)
         return
+    longest = max(a.prompt_len, a.prompt_len_max or 0)
+    if longest + a.max_tokens > a.max_model_len:
+        ap.error(f"--max-model-len {a.max_model_len} is shorter than the longest prompt "
+                 f"({longest}) plus --max-tokens ({a.max_tokens}): raise it")  # fmt: skip
     if a.summarize:
         with open(a.summarize) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -231,7 +253,8 @@ def main() -> None:
         return
 
     forwarded = [a.model, "--child", "--prompts", str(a.prompts), "--prompt-len",
-                 str(a.prompt_len), "--max-tokens", str(a.max_tokens), "--max-model-len",
+                 str(a.prompt_len), "--prompt-len-max", str(a.prompt_len_max or 0),
+                 "--max-tokens", str(a.max_tokens), "--max-model-len",
                  str(a.max_model_len), "--gpu-mem", str(a.gpu_mem), "--dtype", a.dtype,
                  "--token-max", str(a.token_max), "--tp", str(a.tp)]  # fmt: skip
     if a.eager:
@@ -240,14 +263,13 @@ def main() -> None:
     log = open(a.log, "a") if a.log else open(os.devnull, "w")  # noqa: SIM115
     with log:
         for runner in a.runners.split(","):
-            records = measure(a, runner, forwarded, log)
+            records = measure(a, runner, forwarded, log, out)
             summary = summarize(runner, records)
             if summary is not None:
-                records.append(summary)
                 print(json.dumps(summary), flush=True)
-            if out:
-                out.writelines(json.dumps(r) + "\n" for r in records)
-                out.flush()
+                if out:
+                    out.write(json.dumps(summary) + "\n")
+                    out.flush()
     if out:
         out.close()
 

@@ -3,6 +3,11 @@
 # ../shared/device-vllm (vLLM 0.26 wheels installed into /tmp/site, the random
 # Qwen3-0.6B-shaped model in /tmp/m-q06). Installs kvcached from this tree as a
 # distribution (so vLLM finds its plugin entry point), then runs the steps named:
+#   overhead8b the 8B shape, 2K-6K prompts, 256 new tokens, REPEATS (21) pairs, V1: the
+#              run that can decide the overhead target (benchmarks/paired_ratios.py)
+#   latency    benchmarks/serve_latency.py: one served model (LATENCY_MODEL, /tmp/m-q06),
+#              vLLM alone vs with kvcached, the same KV (LATENCY_KV, 16GiB), Poisson
+#              arrivals at LATENCY_RATES for LATENCY_SECONDS each; needs .whl-serve
 #   overhead   benchmarks/vllm_overhead.py for RUNNERS (default v2,v1): greedy-token
 #              equality with and without kvcached (deterministic mode), offline
 #              throughput side by side, alternating, REPEATS (default 3) batches each
@@ -41,6 +46,20 @@ for step in "$@"; do
         python3 "$repo/benchmarks/vllm_overhead.py" /tmp/m-q06 --repeats "${REPEATS:-3}" \
             --runners "${RUNNERS:-v2,v1}" --tp "${TP:-1}" --prompts "${PROMPTS:-1024}" \
             --log "$out/vllm_overhead.log" --out "$out/vllm_overhead.jsonl" || status=1
+        ;;
+    overhead8b)  # issue 22: GPU-bound, KV reads dominating, >= 20 pairs, CUDA graphs on
+        timeout "${OVERHEAD_S:-540}" python3 "$repo/benchmarks/vllm_overhead.py" /tmp/m-q8b \
+            --repeats "${REPEATS:-21}" --runners "${RUNNERS:-v1}" --prompts "${PROMPTS:-32}" \
+            --prompt-len 2048 --prompt-len-max 6144 --max-tokens 256 --max-model-len 8192 \
+            --gpu-mem 0.4 --budget 40GiB --log "$out/vllm_overhead_8b.log" \
+            --out "$out/vllm_overhead_8b.jsonl" | grep -v '"bench": "vllm_overhead",' || status=1
+        python3 "$repo/benchmarks/vllm_overhead.py" x --summarize "$out/vllm_overhead_8b.jsonl"
+        ;;
+    latency)  # issue 22: Poisson arrivals up to and past saturation, vanilla vs kvcached
+        timeout "${LATENCY_S:-560}" python3 "$repo/benchmarks/serve_latency.py" \
+            --model "${LATENCY_MODEL:-/tmp/m-q06}" --kv "${LATENCY_KV:-16GiB}" \
+            --rates "${LATENCY_RATES:-8,16,32,64,128}" --seconds "${LATENCY_SECONDS:-20}" \
+            --out "$out/serve_latency.jsonl" || status=1
         ;;
     multi)
         python3 "$repo/benchmarks/vllm_multi_instance.py" /tmp/m-q06 --dtype bfloat16 \
@@ -90,7 +109,7 @@ for step in "$@"; do
                 | cut -c1-400 | tail -n 12
         done
         ;;
-    *) echo "unknown step $step (overhead, multi, sleep, serve)"; status=2 ;;
+    *) echo "unknown step $step (overhead, overhead8b, latency, multi, sleep, serve)"; status=2 ;;
     esac
 done
 exit $status
