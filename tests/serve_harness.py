@@ -82,6 +82,27 @@ class ServeProcess:
             time.sleep(0.25)
         raise AssertionError(f"{name} never became {what}; last seen {seen}\n{self.tail()}")
 
+    def wait_all_started(self, names: list[str], timeout: float) -> None:
+        """Once each of `names` has been seen awake. All are polled at each turn and a model
+        seen awake once counts: one with a short keep_alive may sleep or unload again while
+        another is still starting, and waiting for each in turn would then never see it."""
+        deadline = time.monotonic() + timeout
+        started: set[str] = set()
+        seen: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"kvcached serve exited:\n{self.tail()}"
+            try:
+                seen = self.state()
+            except httpx.ConnectError:  # the router is not listening yet
+                time.sleep(0.25)
+                continue
+            started |= {name for name in names if seen[name]["state"] == "awake"}
+            if started >= set(names):
+                return
+            time.sleep(0.25)
+        waiting = {name: seen.get(name) for name in names if name not in started}
+        raise AssertionError(f"never seen awake: {waiting}\n{self.tail()}")
+
     def tail(self, lines: int = 40) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])

@@ -56,8 +56,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         },
     )
     try:
-        for name in ("alpha", "beta"):
-            serve.wait(name, lambda m: m["state"] == "awake", "awake", 120)
+        serve.wait_all_started(["alpha", "beta"], 120)
         yield serve
     finally:
         serve.stop()

@@ -85,8 +85,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     )
     s.corrupt_record = record
     try:
-        for name in ("alpha", "beta", "alpha-corrupt"):
-            s.wait(name, lambda m: m["state"] == "awake", "awake", START_S)
+        s.wait_all_started(["alpha", "beta", "alpha-corrupt"], START_S)
         yield s
     finally:
         s.stop()
