@@ -24,7 +24,8 @@
 #              models and one Qwen3-8B-shaped (/tmp/m-q8b, made first if missing; its burst
 #              rate a quarter of the others') behind the router, against a static split of
 #              the same KV memory (SERVE_BUDGET, default 8GiB) with plain vLLM; SERVE_MODES
-#              (default "kvcached static") picks the set-ups, SERVE_RATES the burst rates.
+#              (default "kvcached static") picks the set-ups, SERVE_RATES the burst rates,
+#              SERVE_PREFIX_CACHING=on turns vLLM's prefix cache on in both.
 #              Needs vLLM's API server: the command must carry .whl-serve (uvicorn & co.)
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
@@ -103,6 +104,7 @@ for step in "$@"; do
                 --budget "${SERVE_BUDGET:-8GiB}" --rates "${SERVE_RATES:-2,4,8,16,32}" \
                 --model a=/tmp/m-q06 --model b=/tmp/m-q06 --model c=/tmp/m-q06 \
                 --model big=/tmp/m-q8b@0.25 --gpu-mem 0.1,big=0.2 \
+                --prefix-caching "${SERVE_PREFIX_CACHING:-off}" \
                 --out "$out/serve_multi_model.jsonl" --keep-logs "$out/serve-logs" \
                 > "$out/serve_multi_model_$mode.log" 2>&1 || status=1
             grep -h '"burst_rate"\|"summary"\|"error"\|"wake"' "$out/serve_multi_model_$mode.log" \
