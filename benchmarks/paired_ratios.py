@@ -6,7 +6,9 @@ ratio (kvcached / engine alone) is the least exposed to the device's drift, whic
 throughput up to 1.6x within a minute on the H200. A single median of pairs can still
 land anywhere inside the noise, so the interval decides: the target is **met** only when
 its lower bound is >= 0.98 and the median >= 0.99, **missed** when its upper bound is
-below 0.99, and otherwise **undecided** (more pairs, or a workload with less noise).
+below 0.99, and otherwise **undecided** (more pairs, or a workload with less noise). Under
+`MIN_PAIRS` pairs a percentile bootstrap only restates the few values seen, so no verdict
+is given at all; the benchmarks that decide run >= 20.
 
 A percentile bootstrap: resample the pairs with replacement, take each resample's median,
 and read the 2.5th and 97.5th percentiles of those medians. Seeded, so a results file
@@ -23,6 +25,7 @@ from typing import Any
 TARGET_MEDIAN = 0.99
 TARGET_LOWER = 0.98
 RESAMPLES = 10_000
+MIN_PAIRS = 10
 
 
 def bootstrap_median_interval(
@@ -43,7 +46,9 @@ def verdict(ratios: Sequence[float]) -> dict[str, Any]:
         return {"pairs": 0, "verdict": "undecided: no pairs"}
     median = statistics.median(ratios)
     low, high = bootstrap_median_interval(ratios)
-    if low >= TARGET_LOWER and median >= TARGET_MEDIAN:
+    if len(ratios) < MIN_PAIRS:
+        said = f"too few pairs to decide (< {MIN_PAIRS})"
+    elif low >= TARGET_LOWER and median >= TARGET_MEDIAN:
         said = "met"
     elif high < TARGET_MEDIAN:
         said = "missed"

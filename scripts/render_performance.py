@@ -122,6 +122,33 @@ def _import_time(files: dict[str, Rows]) -> list[str]:
     return _table(["statement", "median ms", "ms added to a bare interpreter"], body)
 
 
+def _paired(rows: Rows, runner: str) -> str:
+    """The median paired ratio of one runner's batches, its bootstrap interval and verdict
+    (benchmarks/paired_ratios.py), from the batch lines: files kept before the verdict
+    existed get it too. The first batch of each side (kvcached maps its memory) is out."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from paired_ratios import verdict
+
+    steady = [
+        r for r in rows
+        if r.get("bench") == "vllm_overhead" and r.get("runner") == runner
+        and "tokens_per_s" in r and r.get("batch", 1) > 0  # older files: one engine a run
+    ]  # fmt: skip
+    pairs = [
+        on["tokens_per_s"] / off["tokens_per_s"]
+        for on in steady
+        for off in steady
+        if on["kvcached"] and not off["kvcached"] and on["repeat"] == off["repeat"]
+    ]
+    said = verdict(pairs)
+    if not pairs:
+        return "no pairs"
+    low, high = said["paired_ratio_ci95"]
+    return f"{said['paired_ratio_median']} [{low}, {high}] of {len(pairs)}: {said['verdict']}"
+
+
 def _vllm_overhead(files: dict[str, Rows]) -> list[str]:
     body = []
     for name, rows in files.items():
@@ -134,12 +161,14 @@ def _vllm_overhead(files: dict[str, Rows]) -> list[str]:
                         row["tokens_per_s_kvcached"],
                         row["tokens_per_s_vllm"],
                         row["ratio"],
+                        _paired(rows, row["runner"]),
                         f"{row['startup_s_kvcached']:g} / {row['startup_s_vllm']:g}",
                         row["greedy_equal"],
                         row.get("runs", row.get("batches")),
                     ]
                 )
-    header = ["file", "runner", "kvcached tok/s", "vLLM tok/s", "ratio"]
+    header = ["file", "runner", "kvcached tok/s", "vLLM tok/s", "ratio",
+              "paired ratio median [95 % interval] of pairs: verdict"]  # fmt: skip
     return _table([*header, "start-up s (kvcached / vLLM)", "same tokens", "runs"], body)
 
 
@@ -662,6 +691,8 @@ def render(results: Path = RESULTS, benchmarks: Path = ROOT / "benchmarks") -> s
     ]
     body = []
     for script in sorted(benchmarks.glob("*.py")):
+        if '__name__ == "__main__"' not in script.read_text():
+            continue  # a module the benchmarks share (paired_ratios.py), not one to run
         name = f"benchmarks/{script.name}"
         kept = [f"`{f}`" for s in SECTIONS if s.benchmark == name for f in s.files]
         body.append([f"`{name}`", _summary_line(script), ", ".join(kept) or "none kept"])
