@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcached import registry
+from kvcached.backing import BackingBuffer
 from kvcached.config import reload_settings
 
 
@@ -51,3 +52,12 @@ def model_folders_exist(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvcached.apps.serve import config
 
     monkeypatch.setattr(config, "folder_exists", lambda path: True)
+
+
+@pytest.fixture
+def backing() -> Iterator[BackingBuffer]:
+    """A small KV buffer on the host backend (tests/host_backing.py: G, BPP, BLOCKS)."""
+    from host_backing import host_backing  # tests/, on sys.path under pytest
+
+    with host_backing() as buf:
+        yield buf

@@ -7,34 +7,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from host_backing import BLOCKS, BPP, G  # tests/, on sys.path under pytest
 
 from kvcached import supply
 from kvcached.accounting import BudgetAccount
 from kvcached.allocator import LocalAccount, LocalBudget, PageAllocator
-from kvcached.backends.host import HostBackend
 from kvcached.backing import BackingBuffer
 from kvcached.errors import KVCachedError, Unsupported
 from kvcached.supply import ElasticSupply, InstanceSlot, Reclaim
-
-G = 64 << 10  # the host backend's granularity here: one page id per layer buffer
-BPP = 4  # blocks per page id
-BLOCKS = 64  # 16 page ids of virtual range
-
-
-@pytest.fixture
-def backing() -> Iterator[BackingBuffer]:
-    backend = HostBackend(granularity=G)
-    with BackingBuffer(
-        backend, nbytes=BLOCKS * G // BPP, num_blocks=BLOCKS, block_bytes=G // BPP,
-        segment_offsets=[0],
-    ) as buf:  # fmt: skip
-        yield buf
-    backend.close()
 
 
 def _allocator(backing: BackingBuffer, account: BudgetAccount) -> PageAllocator:

