@@ -89,6 +89,66 @@ def _corruption_caught(verdict: dict[str, Any]) -> bool:
     )
 
 
+#: the side-by-side overhead runs, all on the Qwen3-0.6B shape (the `standard-gqa` row)
+OVERHEAD_RUNS = (
+    ("vLLM 0.26", "benchmarks/results/h200-2026-12-01/vllm_overhead_first.jsonl"),
+    ("vLLM 0.26", "benchmarks/results/h200-2026-12-01/vllm_overhead_v1.jsonl"),
+    ("vLLM 0.26", "benchmarks/results/h200-2026-12-01/vllm_overhead_v1_1024.jsonl"),
+    ("vLLM 0.26", "benchmarks/results/h200-2026-12-01/vllm_overhead_v1_side_by_side.jsonl"),
+    ("vLLM 0.26", "benchmarks/results/h200-2026-12-01/vllm_overhead_v2_side_by_side.jsonl"),
+    ("SGLang 0.5.16", "benchmarks/results/h200-2026-12-01/sglang_overhead.jsonl"),
+)
+
+
+def _summary(path: Path) -> dict[str, Any] | None:
+    """The summary line of an overhead result file (vLLM's and SGLang's name it differently)."""
+    if not path.exists():
+        return None
+    for line in reversed(path.read_text().splitlines()):
+        record = json.loads(line) if line.strip() else {}
+        if record.get("bench") == "vllm_overhead_summary" or record.get("step") == "summary":
+            return record
+    return None
+
+
+def _layout_section() -> list[str]:
+    lines = [
+        "## KV layout",
+        "",
+        "Upstream kvcached's matrix has contiguous and non-contiguous layout columns; this",
+        "kvcached has no layout of its own. It keeps each engine's: vLLM's per-layer KV",
+        "tensors with the shapes and strides vLLM's attention backend asks for",
+        "(`engines/vllm/allocation.py`), SGLang's per-layer K and V buffers in its NHD layout",
+        "(`engines/sglang/buffers.py`), mlx-lm's per-layer K and V arrays",
+        "(`engines/mlx_lm/cache.py`). The kernels run unchanged; what that costs is the",
+        "throughput ratio kvcached / engine alone, measured side by side on the H200 only",
+        "for `standard-gqa` (Qwen3-0.6B shape). Every other row: not measured.",
+        "",
+        "| architecture | engine | runner | ratio | greedy equal | file |",
+        "|---|---|---|---|---|---|",
+    ]
+    for engine, name in OVERHEAD_RUNS:
+        record = _summary(ROOT / name)
+        if record is None:
+            continue
+        ratio = record.get("ratio", record.get("throughput_ratio"))
+        equal = record.get("greedy_equal", record.get("equal"))
+        runner = record.get("runner", "-")
+        lines.append(
+            f"| `standard-gqa` | {engine} | {runner} | {ratio} | {'yes' if equal else 'no'} "
+            f"| `{name}` |"
+        )
+    lines += [
+        "",
+        "The ratio is the file's summary line (vLLM: `ratio`, steady batches; SGLang:",
+        "`throughput_ratio`, of median tokens/s). These runs are host-bound and noisy: the",
+        "paired ratios within one run spread more than the differences between runs (see",
+        "`benchmarks/results/h200-2026-12-01/README.md`), so they do not yet decide the",
+        "overhead.",
+    ]
+    return lines
+
+
 def render(tables: dict[str, dict[str, Any]]) -> str:
     from kvcached.testing.random_arch import ARCHITECTURES
 
@@ -125,6 +185,7 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
             by_name = {row["architecture"]: row for row in tables[key]["rows"]}
             cells.append(_cell(by_name.get(name), notes, tables[key]["label"]))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *_layout_section()]
     lines += ["", "## Notes", ""]
     lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     lines += ["", "## Runs", ""]
