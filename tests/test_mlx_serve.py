@@ -162,9 +162,9 @@ def test_a_folder_that_is_not_a_model_is_refused(tmp_path: Path, ledger_dir: Pat
 def post(running: Running, path: str, body: Any) -> httpx.Response:
     """A raw POST (the openai client would refuse to send some of these bodies)."""
     url = str(running.client.base_url).rstrip("/") + path
-    if isinstance(body, bytes):
-        return httpx.post(url, content=body, timeout=60)
-    return httpx.post(url, json=body, timeout=60)
+    if not isinstance(body, bytes):  # ASCII JSON: httpx's own would not encode a lone surrogate
+        body = json.dumps(body).encode()
+    return httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
 
 
 def test_requests_without_a_seed_sample_different_text(running: Running) -> None:
@@ -265,6 +265,23 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
         {"model": "beta", "messages": [{"role": "user", "content": "hi"}], "seed": 1.5},
         400,
         "seed",
+    ),
+    # a lone surrogate, valid JSON but no character: the tokenizer raised, a 500
+    ("/completions", {"model": "alpha", "prompt": "hi \ud800"}, 400, "prompt"),
+    (
+        "/chat/completions",
+        {"model": "beta", "messages": [{"role": "user", "content": "\udc00"}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "/chat/completions",
+        {
+            "model": "beta",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+        },
+        400,
+        "messages[0].content",
     ),
 ]
 

@@ -6,8 +6,10 @@ OpenAI's are: `max_tokens` is a positive integer (not `true`, not `0`, not `"5"`
 `temperature` a finite number, `stream` a boolean. Unknown fields are ignored, as
 OpenAI clients send options this server does not use. Chat content may be a string or a
 list of text parts (`[{"type": "text", "text": "..."}]`), flattened to one string;
-other part types (images, audio) are refused by name. Temperature has no upper bound
-(OpenAI's is 2): a local server lets its user sample as hot as they like.
+other part types (images, audio) are refused by name. Prompt and content must be
+encodable as UTF-8: JSON may carry a lone surrogate (`"\\ud800"`), which no tokenizer
+can encode. Temperature has no upper bound (OpenAI's is 2): a local server lets its
+user sample as hot as they like.
 
 Generation options take the ranges vLLM takes: `top_p` in (0, 1], `top_k` 0 or -1 for
 off, `min_p` in [0, 1], `repetition_penalty` > 0 (1 is off), `presence_penalty` and
@@ -52,6 +54,19 @@ _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 #: The joint between the text parts of one message (vLLM joins them the same way).
 PART_SEPARATOR = "\n"
+
+
+def _encodable(text: str) -> str:
+    """`text`, unless it holds a lone surrogate (JSON's `"\\ud800"` decodes to one):
+    the tokenizer cannot encode it, and would fail deep inside generation."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text holds an unpaired surrogate ({text[exc.start]!r} at {exc.start}), "
+            "which is not a character and cannot be encoded"
+        ) from None
+    return text
 
 
 def keep_alive_seconds(value: Any) -> float:
@@ -148,7 +163,7 @@ class CompletionRequest(_Request):
             raise ValueError("prompt must be a string (or a list holding one string)")
         if not prompt:
             raise ValueError("the prompt is empty")
-        return prompt
+        return _encodable(prompt)
 
 
 class Message(BaseModel):
@@ -163,7 +178,7 @@ class Message(BaseModel):
     @classmethod
     def _flatten(cls, content: Any) -> str | None:
         if content is None or isinstance(content, str):
-            return content
+            return content if content is None else _encodable(content)
         if not isinstance(content, list):
             raise ValueError("content must be a string or a list of text parts")
         texts: list[str] = []
@@ -179,7 +194,7 @@ class Message(BaseModel):
             if not isinstance(text, str):
                 raise ValueError(f"content part {index} has no string 'text'")
             texts.append(text)
-        return PART_SEPARATOR.join(texts)
+        return _encodable(PART_SEPARATOR.join(texts))
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
