@@ -14,6 +14,7 @@ drawn as plain text, never as rich markup.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from rich.text import Text
 
 from kvcached.apps.tables import Cell, Column, FittedTable, Short
 from kvcached.errors import InvalidArgument, KVCachedError
-from kvcached.ledger import InstanceRow, Ledger, Totals, default_key
+from kvcached.ledger import InstanceRow, Ledger, LedgerError, Totals, default_key, existing_keys
 
 _err = Console(stderr=True)
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -169,9 +170,25 @@ def open_ledger(
     *,
     create_with: int | None = None,
 ) -> Ledger:
-    """The chosen ledger; created with budget `create_with` when given and missing."""
+    """The chosen ledger; created with budget `create_with` when given and missing.
+
+    Chosen by nobody (no --key, --backend, --device or KVCACHED_BACKEND) and with no
+    ledger for this machine's own device, the folder's only ledger is the one meant:
+    serve-mlx on a Linux machine keeps `mlx-0` where the default is `host-cpu`. With
+    several, the error names them, so the user knows which --key to pass."""
+    chosen = resolve_key(key, backend, device)
+    told = key is not None or backend is not None or device is not None
+    if not told and create_with is None and not os.environ.get("KVCACHED_BACKEND"):
+        found = existing_keys(ledger_dir)
+        if chosen not in found and len(found) == 1:
+            chosen = found[0]
+        elif chosen not in found and found:
+            raise LedgerError(
+                f"no kvcached ledger for {chosen!r} (this machine's default device); the "
+                f"ledger folder has {', '.join(found)}: pass --key with one of them"
+            )
     return Ledger.open(
-        resolve_key(key, backend, device),
+        chosen,
         create_with,
         create=create_with is not None,
         directory=ledger_dir,

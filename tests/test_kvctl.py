@@ -649,3 +649,27 @@ def test_forget_names_the_force_flag_as_the_cli_spells_it(instances: object) -> 
     assert result.exit_code == 1
     message = " ".join(result.stderr.split())
     assert "'kvctl forget vllm-a --force'" in message and "pass force" not in message
+
+
+def test_list_finds_the_folders_only_ledger_when_told_nothing(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve-mlx on Linux keeps `mlx-0` where this machine's default is `host-cpu`: a bare
+    `kvctl list` shows it instead of saying there is no ledger."""
+    monkeypatch.delenv("KVCACHED_BACKEND")
+    reload_settings()
+    with Ledger.open("mlx-0", budget=GiB) as mlx:
+        mlx.register("serve-mlx/qwen", "mlx")
+        result = runner.invoke(kvctl, ["list", "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["key"] == "mlx-0"
+        assert [r["name"] for r in report["instances"]] == ["serve-mlx/qwen"]
+        with Ledger.open("cuda-1", budget=GiB):
+            result = runner.invoke(kvctl, ["list"])
+    assert result.exit_code == 1
+    assert "the ledger folder has cuda-1, mlx-0: pass --key" in result.stderr
+    monkeypatch.setenv("KVCACHED_BACKEND", "host")  # told: no guessing
+    reload_settings()
+    result = runner.invoke(kvctl, ["list"])
+    assert result.exit_code == 1 and "no kvcached ledger for 'host-cpu'" in result.stderr
