@@ -26,6 +26,9 @@ request or a token costs at the router whatever the other processes do):
   nothing (a byte copier between two sockets), so what the router adds beyond it is
   the router's own.
 
+The engine and the router run on the loop `kvcached serve` runs (uvloop where installed);
+`--server-loop asyncio` runs them on asyncio's own, for comparison.
+
 Targets (issue 20): at most 2 ms per request and 50 µs per token at the router.
 
     python benchmarks/serve_router_overhead.py [--pairs 40] > results.jsonl
@@ -50,6 +53,8 @@ from typing import Any
 import httpx
 
 CHAT = "/v1/chat/completions"
+#: `--server-loop asyncio` reaches the engine and router processes through this
+SERVER_LOOP_ENV = "KVCACHED_BENCH_SERVER_LOOP"
 
 
 # --- the stand-in engine and the router, each run as its own process -------------------
@@ -178,7 +183,13 @@ def serve_role(role: str, engine_url: str) -> None:
         print(port, flush=True)
         await task
 
-    asyncio.run(main())
+    # the loop `kvcached serve` runs its router on (uvloop where installed), for the
+    # stand-in engine too: vLLM's and SGLang's uvicorn pick uvloop the same way
+    from kvcached.apps.serve.app import loop_factory
+
+    factory = None if os.environ.get(SERVER_LOOP_ENV) == "asyncio" else loop_factory()
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
 
 
 @contextlib.contextmanager
@@ -389,12 +400,18 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     },
                 )
             )
+    from kvcached.apps.serve.app import loop_factory
+
     load_after = os.getloadavg()
     for line in results:
         line["load_avg_before"] = [round(x, 2) for x in load_before]
         line["load_avg_after"] = [round(x, 2) for x in load_after]
         line["cpus"] = os.cpu_count()
         line["python"] = platform.python_version()
+        line["server_loop"] = (
+            "asyncio" if os.environ.get(SERVER_LOOP_ENV) == "asyncio" or not loop_factory()
+            else "uvloop"
+        )  # fmt: skip
         line["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return results
 
@@ -405,12 +422,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="events of a paced stream")
     parser.add_argument("--interval-ms", type=float, default=2.0, help="pace of that stream")
     parser.add_argument("--burst-tokens", type=int, default=512, help="events of a burst")
+    parser.add_argument(
+        "--server-loop", choices=["auto", "asyncio"], default="auto",
+        help="the stand-in engine's and the router's event loop: auto is what `kvcached "
+        "serve` runs (uvloop where installed); asyncio measures the plain loop",
+    )  # fmt: skip
     parser.add_argument("--role", choices=["engine", "router", "relay"], help=argparse.SUPPRESS)
     parser.add_argument("--engine-url", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         serve_role(args.role, args.engine_url)
         return
+    if args.server_loop == "asyncio":
+        os.environ[SERVER_LOOP_ENV] = "asyncio"
     if args.pairs < 30:
         parser.error("--pairs must be at least 30 for the confidence interval to mean much")
     for line in measure(args):

@@ -310,18 +310,19 @@ def _round(value: Any, digits: int) -> Any:
 
 
 def _router_overhead(files: dict[str, Rows]) -> list[str]:
-    (rows,) = files.values()
     body = []
-    for r in rows:
-        low, high = r["diff_ci95"]
-        target = r.get("target_ms", r.get("target_us"))
-        cpu = r.get("router_cpu_median_ms", r.get("router_cpu_median_us"))
-        body.append(
-            [f"`{r['kind']}`", r["unit"], r["direct_median"], r["router_median"],
-             f"{_g(r['diff_median'])} ({_g(low)} to {_g(high)})", cpu, target,
-             " / ".join(_g(x) for x in r["load_avg_before"])]
-        )  # fmt: skip
-    header = ["kind", "unit", "direct (median)", "through the router (median)"]
+    for name, rows in files.items():
+        for r in rows:
+            low, high = r["diff_ci95"]
+            target = r.get("target_ms", r.get("target_us"))
+            cpu = r.get("router_cpu_median_ms", r.get("router_cpu_median_us"))
+            body.append(
+                [f"`{Path(name).name}`", r.get("server_loop", "asyncio"), f"`{r['kind']}`",
+                 r["unit"], r["direct_median"], r["router_median"],
+                 f"{_g(r['diff_median'])} ({_g(low)} to {_g(high)})", cpu, target,
+                 " / ".join(_g(x) for x in r["load_avg_before"])]
+            )  # fmt: skip
+    header = ["file", "loop", "kind", "unit", "direct (median)", "through the router (median)"]
     header += ["router minus direct (median, 95 % CI)", "router CPU (median)", "target"]
     return _table([*header, "load average before"], body)
 
@@ -586,13 +587,17 @@ SECTIONS = (
     Section(
         "The `kvcached serve` router's overhead",
         "benchmarks/serve_router_overhead.py",
-        ("serve-router-overhead-cpu.jsonl",),
+        ("serve-router-overhead-cpu.jsonl", "cpu-2026-12-02/serve_router_overhead-loop-ab.jsonl"),
         "A stand-in engine answering at once, the router under uvicorn in front of it, "
         "and the client: the same request straight to the engine and through the router, "
         "in alternating pairs; the figure is the paired difference. Targets (issue 20): "
         "2 ms per request, 50 µs per streamed token. `stream_token_latency` paces tokens "
         "2 ms apart, so every process sleeps between two of them; the bare relay (a byte "
-        "copier) is the floor any extra process hop costs on this machine.",
+        "copier) is the floor any extra process hop costs on this machine. The first file "
+        "ran its processes on asyncio's own loop; the second alternates that with uvloop "
+        "(what `kvcached serve` runs) at an hour when the machine was about 3x slower: the "
+        "router's own CPU time per request 2.9-4.0 ms against 1.04 ms, the bare relay 6x "
+        "the first file's (cpu-2026-12-02/README.md). The loop made no difference.",
         _router_overhead,
     ),
     Section(

@@ -249,8 +249,9 @@ def _announce(
         print(banner(config, models, url, dashboard), flush=True)
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when it is installed (as uvicorn picks it), else asyncio's."""
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (as uvicorn picks it), else asyncio's; the
+    router overhead benchmark runs its processes on the same."""
     try:
         import uvloop
     except ImportError:
@@ -273,7 +274,7 @@ def run(
     logging.getLogger("kvcached").setLevel(level)
     try:
         if sys.version_info >= (3, 11):
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
                 runner.run(serve(config, log_level=log_level, launchers=launchers))
         else:  # pragma: no cover - Python 3.10
             asyncio.run(serve(config, log_level=log_level, launchers=launchers))
