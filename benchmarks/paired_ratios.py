@@ -28,6 +28,17 @@ RESAMPLES = 10_000
 MIN_PAIRS = 10
 
 
+def pair_ratios(batches: Sequence[dict[str, Any]], key: str = "tokens_per_s") -> list[float]:
+    """kvcached / engine alone of `key` for each repeat that has one batch of each side
+    (`kvcached` true or false, the same `repeat`), in the order of the repeats."""
+    ratios = []
+    for repeat in sorted({b["repeat"] for b in batches}):
+        on = [b for b in batches if b["repeat"] == repeat and b["kvcached"]]
+        off = [b for b in batches if b["repeat"] == repeat and not b["kvcached"]]
+        ratios += [float(x[key]) / float(y[key]) for x in on for y in off]
+    return ratios
+
+
 def bootstrap_median_interval(
     ratios: Sequence[float], resamples: int = RESAMPLES, seed: int = 0
 ) -> tuple[float, float]:

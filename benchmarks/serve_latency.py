@@ -164,8 +164,7 @@ def summarize(
     tpots = [t for t in map(tpot, done) if t is not None]
     good = [
         r for r in done
-        if r.ttft_s is not None and r.ttft_s <= a.slo_ttft
-        and (tpot(r) is None or (tpot(r) or 0.0) <= a.slo_tpot)
+        if r.ttft_s is not None and r.ttft_s <= a.slo_ttft and (tpot(r) or 0.0) <= a.slo_tpot
     ]  # fmt: skip
     line: dict[str, Any] = {
         "bench": "serve_latency", "side": side, "rate": rate, "requests": len(results),
@@ -267,7 +266,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    a.cpu_smoke = bool(a.cpu_smoke)
     if a.model is None:
         if not a.cpu_smoke:
             raise SystemExit("give --model PATH (or --cpu-smoke)")

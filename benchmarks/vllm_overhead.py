@@ -40,7 +40,7 @@ import sys
 import time
 from typing import IO, Any
 
-from paired_ratios import verdict  # benchmarks/, on sys.path as this script's folder
+from paired_ratios import pair_ratios, verdict  # benchmarks/, on sys.path as this script's folder
 
 
 def child(a: argparse.Namespace) -> None:
@@ -187,15 +187,7 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
     first = [r for r in timed if r["batch"] == 0]
     # the two batches of one repeat ran back to back: their ratio is the least exposed
     # to the device's drift (throughput moved up to 1.6x within a minute on the H200)
-    pairs = [
-        float(on_run["tokens_per_s"]) / float(off_run["tokens_per_s"])
-        for repeat in sorted({r["repeat"] for r in steady})
-        for on_run in steady
-        for off_run in steady
-        if on_run["repeat"] == off_run["repeat"] == repeat
-        and on_run["kvcached"]
-        and not off_run["kvcached"]
-    ]
+    pairs = pair_ratios(steady)
     return {
         "bench": "vllm_overhead_summary",
         "runner": runner,

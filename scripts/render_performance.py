@@ -129,19 +129,14 @@ def _paired(rows: Rows, runner: str) -> str:
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from paired_ratios import verdict
+    from paired_ratios import pair_ratios, verdict
 
     steady = [
         r for r in rows
         if r.get("bench") == "vllm_overhead" and r.get("runner") == runner
         and "tokens_per_s" in r and r.get("batch", 1) > 0  # older files: one engine a run
     ]  # fmt: skip
-    pairs = [
-        on["tokens_per_s"] / off["tokens_per_s"]
-        for on in steady
-        for off in steady
-        if on["kvcached"] and not off["kvcached"] and on["repeat"] == off["repeat"]
-    ]
+    pairs = pair_ratios(steady)
     said = verdict(pairs)
     if not pairs:
         return "no pairs"

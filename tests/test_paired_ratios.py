@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from paired_ratios import MIN_PAIRS, bootstrap_median_interval, verdict
+from paired_ratios import MIN_PAIRS, bootstrap_median_interval, pair_ratios, verdict
 
 
 def _noisy(center: float, spread: float, n: int, seed: int = 1) -> list[float]:
@@ -52,3 +52,14 @@ def test_the_interval_is_seeded_and_brackets_the_median() -> None:
     assert first[0] <= statistics.median(ratios) <= first[1]
     with pytest.raises(ValueError, match="no paired ratios"):
         bootstrap_median_interval([])
+
+
+def test_pairs_are_the_two_sides_of_one_repeat() -> None:
+    batches = [
+        {"repeat": 0, "kvcached": False, "tokens_per_s": 100.0},
+        {"repeat": 0, "kvcached": True, "tokens_per_s": 90.0},
+        {"repeat": 1, "kvcached": True, "tokens_per_s": 110.0},
+        {"repeat": 1, "kvcached": False, "tokens_per_s": 100.0},
+        {"repeat": 2, "kvcached": True, "tokens_per_s": 500.0},  # its other side failed
+    ]
+    assert pair_ratios(batches) == [0.9, 1.1]
