@@ -397,6 +397,31 @@ def test_stopping_the_server_ends_a_long_prefill_between_chunks(running: Running
     assert "shutting down" in str(errors[0])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_during_the_prefill_stops_it(
+    running: Running, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Defect 4's other half: a client gone before its first token (a read timeout, a
+    closed tab) must not keep its model prefilling a prompt nobody waits for."""
+    events: list[str] = []
+    alpha = running.server.models["alpha"]
+    alpha.model = SlowPrefill(alpha.model, events, delay_s=0.02)
+    running.server.prefill_chunk = 32
+    body = {"model": "alpha", "prompt": "the quick brown fox " * 75, "max_tokens": 1,
+            "stream": stream}  # fmt: skip
+    url = str(running.client.base_url).rstrip("/") + "/completions"
+    caplog.set_level("INFO", logger="kvcached")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.3 s: 1,500 tokens,
+        httpx.post(url, json=body, timeout=0.3)  # 47 chunks of 20 ms, were not read by then
+    assert events, "the prefill had not started when the client hung up: no test"
+    wait_for(lambda: not alpha.active, "alpha's request to end")
+    assert len(events) < 47, f"all {len(events)} prefill chunks ran for a client that left"
+    wait_for(lambda: "status=499" in caplog.text, "the request logged as the client's 499")
+    # the model serves the next request as before
+    out = running.client.completions.create(model="alpha", prompt="dog", max_tokens=3)
+    assert out.usage is not None and out.usage.completion_tokens == 3
+
+
 def test_a_budget_an_existing_ledger_ignores_is_warned_once(
     model_dirs: list[str], ledger_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

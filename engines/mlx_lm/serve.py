@@ -593,13 +593,17 @@ class MultiModelServer:
         plan: Callable[[], Plan],
         *,
         keep_alive_s: float | None = None,
+        on_stream: Callable[[TokenStream], None] | None = None,
     ) -> tuple[Plan, TokenStep, TokenStream]:
         """Start one request: load its model, make its Plan with `plan()` (which needs
         the tokenizer), and return the Plan, the first token and the rest (Note [making
         room]). It waits in `served`'s queue while the model cannot load or its KV
         cannot be charged yet. ServerBusy (a 503 with Retry-After) when the queue is
         full or the wait runs out; ModelDoesNotFit or KVCacheExhausted when it can
-        never fit; ShuttingDown when the server stops first; what `plan()` raises."""
+        never fit; ShuttingDown when the server stops first (or the request is cancelled
+        before its first token); what `plan()` raises. `on_stream` sees each TokenStream
+        as soon as it is queued, before its prefill: a watcher of the client can cancel
+        it between prefill chunks (_ClientWatch)."""
         if keep_alive_s is not None:  # before it runs: a short request may end at once
             served.keep_alive_s = keep_alive_s
         with self._changed:
@@ -615,6 +619,8 @@ class MultiModelServer:
             made = plan()
             while True:
                 tokens = self.generate(served, made)
+                if on_stream is not None:
+                    on_stream(tokens)
                 try:
                     first = next(tokens)
                 except KVCacheExhausted:
@@ -826,6 +832,51 @@ def _log_request(
     )  # fmt: skip
 
 
+#: the status logged for a request whose client hung up before its answer (nginx's)
+CLIENT_GONE = 499
+
+
+class _ClientWatch:
+    """Notices a client that hangs up while its request has no answer yet, and cancels
+    the request's TokenStream (its prefill stops at the next chunk, its decode at the
+    next step), so that nobody's prompt keeps the model busy. Watches only until the
+    answer starts: a streamed answer's own disconnect handling takes over then, and
+    after a whole answer is sent the server reports every connection as gone.
+
+    It reads the ASGI `receive` channel (the request's body has been read already, so
+    the next message there is the disconnect), not `Request.is_disconnected()`, which
+    polls without waiting."""
+
+    def __init__(self, receive: Callable[[], Any]) -> None:
+        import asyncio
+
+        self.gone = False
+        self._stream: TokenStream | None = None
+        self._lock = threading.Lock()
+        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Callable[[], Any]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        with self._lock:
+            self.gone = True
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def attach(self, stream: TokenStream) -> None:
+        """From admit's thread: the request's stream, cancelled at once if the client
+        has already gone."""
+        with self._lock:
+            self._stream = stream
+            gone = self.gone
+        if gone:
+            stream.cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 def build_app(server: MultiModelServer) -> Any:
     """The Starlette application over `server`."""
     from pydantic import ValidationError
@@ -833,7 +884,7 @@ def build_app(server: MultiModelServer) -> Any:
     from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     from kvcached.engines.mlx_lm.protocol import (
@@ -879,15 +930,36 @@ def build_app(server: MultiModelServer) -> Any:
         def plan() -> Plan:
             return _plan(server, served, req)
 
+        watch = _ClientWatch(request.receive)
+        try:
+            return await answer_request(route, chat, req, served, plan, watch, started)
+        finally:
+            watch.stop()
+
+    async def answer_request(
+        route: str,
+        chat: bool,
+        req: ChatRequest | CompletionRequest,
+        served: ServedModel,
+        plan: Callable[[], Plan],
+        watch: _ClientWatch,
+        started: float,
+    ) -> Any:
+        def client_gone() -> Any:
+            _log_request(route, served.name, CLIENT_GONE, 0, 0, started)
+            return Response(status_code=CLIENT_GONE)  # nobody reads it
+
         try:
             made, first, tokens = await run_in_threadpool(
-                server.admit, served, plan, keep_alive_s=req.keep_alive
+                server.admit, served, plan, keep_alive_s=req.keep_alive, on_stream=watch.attach
             )
         except PromptRefused as exc:
             _log_request(route, served.name, 400, 0, 0, started)
             code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
             return _error(400, str(exc), param="messages" if chat else "prompt", code=code)
         except KVCachedError as exc:  # busy, stopping, or a budget that cannot hold it
+            if watch.gone:  # cancelled because the client hung up before its first token
+                return client_gone()
             _log_request(route, served.name, 503, 0, 0, started)
             return _unavailable(exc)
         prompt_tokens, cached = len(made.prompt), tokens.reused_tokens
@@ -896,6 +968,7 @@ def build_app(server: MultiModelServer) -> Any:
         steps = _chain([first], tokens)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
+            watch.stop()  # from here the stream's own disconnect handling ends it
 
             async def events() -> AsyncIterator[str]:
                 pieces = _pieces(served.tokenizer, steps, req.stop, safe=True)
@@ -914,6 +987,8 @@ def build_app(server: MultiModelServer) -> Any:
         except (OutOfMemory, ShuttingDown) as exc:  # a reload that no longer fits, a stop
             _log_request(route, served.name, 503, prompt_tokens, 0, started)
             return _unavailable(exc)
+        if watch.gone:  # the decode was cancelled part way: no one to answer
+            return client_gone()
         body = answer.whole(pieces)
         _log_request(route, served.name, 200, prompt_tokens, answer.generated, started, cached)
         return JSONResponse(body)
