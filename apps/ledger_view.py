@@ -14,7 +14,6 @@ drawn as plain text, never as rich markup.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from kvcached.apps.tables import Cell, Column, FittedTable, Short
+from kvcached.config import settings
 from kvcached.errors import InvalidArgument, KVCachedError
 from kvcached.ledger import InstanceRow, Ledger, LedgerError, Totals, default_key, existing_keys
 
@@ -178,7 +178,7 @@ def open_ledger(
     several, the error names them, so the user knows which --key to pass."""
     chosen = resolve_key(key, backend, device)
     told = key is not None or backend is not None or device is not None
-    if not told and create_with is None and not os.environ.get("KVCACHED_BACKEND"):
+    if not told and create_with is None and settings().backend is None:
         found = existing_keys(ledger_dir)
         if chosen not in found and len(found) == 1:
             chosen = found[0]
