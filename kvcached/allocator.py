@@ -893,6 +893,15 @@ class PageAllocator(Closeable):
             while self._inflight_pages and not self._closed:
                 self._cond.wait()
 
+    def wait_released(self) -> None:
+        """Wait until every release in flight, the pool thread's included, is unmapped
+        and refunded, so that `reserved` then says what is held. A release the pool
+        thread began on its own (a limit lowered a moment before) is not this caller's
+        to finish, so a trim alone can return before it lands."""
+        with self._lock:
+            while self._releasing and not self._closed:
+                self._cond.wait()
+
     def resume_growth(self) -> None:
         """Undo `pause_growth`: the pool thread keeps the pool filled again."""
         self._growth_paused = False

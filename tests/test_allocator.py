@@ -903,3 +903,58 @@ def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_
         alloc.close()
         layout.close()
         backend.close()
+
+
+class GatedUnmapHost(CountingHost):
+    """A host backend whose unmaps wait for `gate` while `hold` is set: a release that
+    stays in flight (unmapping, not yet refunded) for as long as a test needs."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hold = False
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        if self.hold:
+            self.entered.set()
+            self.gate.wait(30)
+        super()._unmap_batch(ranges)
+
+
+def test_wait_released_waits_for_a_release_another_thread_has_in_flight() -> None:
+    # regression: the serve supervisor lowers a vLLM instance's row limit to 0 and then
+    # sleeps it; the pool thread was still unmapping what the limit released, so the
+    # sleep returned with those bytes still reserved
+    backend = GatedUnmapHost(budget=256 << 20, granularity=G)
+    layout = KVLayout.uniform(
+        backend, 2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4,
+        max_tokens=64 * BPP * 4,
+    )  # fmt: skip
+    (group,) = layout.groups
+    account = LocalAccount()
+    alloc = make(group, account=account)
+    try:
+        block = alloc.alloc_one()
+        assert block is not None
+        alloc.free([block])
+        assert alloc.reserved_bytes == PAGE_ID
+        backend.hold = True
+        trim = threading.Thread(target=alloc.set_limit, args=(0,))
+        trim.start()
+        assert backend.entered.wait(30)  # that thread's release: unmapping, not refunded
+        assert alloc.reserved_bytes == PAGE_ID and alloc.stats().releasing_bytes == PAGE_ID
+        waiter = threading.Thread(target=alloc.wait_released)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # the release in flight has not landed: still waiting
+        backend.gate.set()
+        waiter.join(30)
+        trim.join(30)
+        assert not waiter.is_alive() and alloc.reserved_bytes == 0 and account.charged == 0
+        alloc.wait_released()  # nothing in flight: returns at once
+    finally:
+        backend.gate.set()
+        alloc.close()
+        layout.close()
+        backend.close()

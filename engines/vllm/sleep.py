@@ -20,7 +20,9 @@ it is. The two wrappers here give it back and bring it back, around vLLM's own c
   cleared the prefix cache (every block is back in kvcached, see
   `ElasticBlockPool.reset_prefix_cache`) and suspended its pool, each allocator is
   capped at 0 bytes. The cap releases every empty extent at once, and with no growth
-  left in flight nothing lands after it. When vLLM's pause is still under way (a
+  left in flight nothing lands after it; a release the pool thread already had under
+  way (a row limit lowered just before) is waited for too, so the sleep returns with
+  only what stays held. When vLLM's pause is still under way (a
   multiprocess engine with requests in flight) it returns a Future, and the trim waits
   for it; requests that finish meanwhile still grow on demand.
 * `wake_up`, when the wake includes the KV (no tags, or ``kv_cache`` among them): the
@@ -129,6 +131,11 @@ def kv_to_nothing(engine: Any) -> None:
 
     if found.recording is None:
         release()
+        # a row limit lowered just before (the serve supervisor sets 0, then sleeps) has
+        # the pool thread releasing too; what the sleep reports must be what stays held.
+        # (With tensor parallelism the refund waits for the workers' next step: no wait.)
+        for allocator in allocators:
+            allocator.wait_released()
     else:
         _while_workers_replay(release, engine)
     _recount(found)
