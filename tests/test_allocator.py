@@ -844,20 +844,28 @@ def test_local_account_and_budget() -> None:
 
 
 class GatedHost(CountingHost):
-    """A host backend whose maps wait for `gate` while `hold` is set: growth that stays
-    in flight (charged, created, not yet mapped) for as long as a test needs."""
+    """A host backend whose maps wait for `gate` while `hold` is set (growth that stays
+    in flight: charged, created, not yet mapped), and its unmaps while `hold_unmaps` is
+    (a release in flight: unmapping, not yet refunded), for as long as a test needs."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.hold = False
+        self.hold = self.hold_unmaps = False
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def _map_batch(self, items: Sequence[tuple[int, Page]]) -> None:
-        if self.hold:
+    def _wait_for_the_gate(self, held: bool) -> None:
+        if held:
             self.entered.set()
             self.gate.wait(30)
+
+    def _map_batch(self, items: Sequence[tuple[int, Page]]) -> None:
+        self._wait_for_the_gate(self.hold)
         super()._map_batch(items)
+
+    def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self._wait_for_the_gate(self.hold_unmaps)
+        super()._unmap_batch(ranges)
 
 
 def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_refill() -> None:
@@ -905,28 +913,11 @@ def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_
         backend.close()
 
 
-class GatedUnmapHost(CountingHost):
-    """A host backend whose unmaps wait for `gate` while `hold` is set: a release that
-    stays in flight (unmapping, not yet refunded) for as long as a test needs."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.hold = False
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
-        if self.hold:
-            self.entered.set()
-            self.gate.wait(30)
-        super()._unmap_batch(ranges)
-
-
 def test_wait_released_waits_for_a_release_another_thread_has_in_flight() -> None:
     # regression: the serve supervisor lowers a vLLM instance's row limit to 0 and then
     # sleeps it; the pool thread was still unmapping what the limit released, so the
     # sleep returned with those bytes still reserved
-    backend = GatedUnmapHost(budget=256 << 20, granularity=G)
+    backend = GatedHost(budget=256 << 20, granularity=G)
     layout = KVLayout.uniform(
         backend, 2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4,
         max_tokens=64 * BPP * 4,
@@ -939,7 +930,7 @@ def test_wait_released_waits_for_a_release_another_thread_has_in_flight() -> Non
         assert block is not None
         alloc.free([block])
         assert alloc.reserved_bytes == PAGE_ID
-        backend.hold = True
+        backend.hold_unmaps = True
         trim = threading.Thread(target=alloc.set_limit, args=(0,))
         trim.start()
         assert backend.entered.wait(30)  # that thread's release: unmapping, not refunded
