@@ -121,8 +121,11 @@ def test_the_comparison_can_fail_rows_whose_kv_are_swapped(
         return k[::-1], v[::-1]  # row i attends to row B-1-i's KV
 
     monkeypatch.setattr(batching, "fetch_rows", swapped)
-    before = dict(scheduler(running).steps)
-    batched = together(running, [lambda p=p: tokens_of(running, p) for p in PROMPTS])
+    for _ in range(5):  # on a loaded machine the four may not all overlap: try again
+        before = dict(scheduler(running).steps)
+        batched = together(running, [lambda p=p: tokens_of(running, p) for p in PROMPTS])
+        if scheduler(running).steps.get(4, 0) > before.get(4, 0):
+            break
     assert scheduler(running).steps.get(4, 0) > before.get(4, 0)  # precondition: batched
     assert len({tuple(t) for t, _ in alone}) == len(PROMPTS)  # precondition: rows differ
     assert batched != alone
