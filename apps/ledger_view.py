@@ -180,13 +180,13 @@ def open_ledger(
     told = key is not None or backend is not None or device is not None
     if not told and create_with is None and settings().backend is None:
         found = existing_keys(ledger_dir)
-        if chosen not in found and len(found) == 1:
+        if found and chosen not in found:
+            if len(found) > 1:
+                raise LedgerError(
+                    f"no kvcached ledger for {chosen!r} (this machine's default device); "
+                    f"the ledger folder has {', '.join(found)}: pass --key with one of them"
+                )
             chosen = found[0]
-        elif chosen not in found and found:
-            raise LedgerError(
-                f"no kvcached ledger for {chosen!r} (this machine's default device); the "
-                f"ledger folder has {', '.join(found)}: pass --key with one of them"
-            )
     return Ledger.open(
         chosen,
         create_with,

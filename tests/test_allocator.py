@@ -868,16 +868,28 @@ class GatedHost(CountingHost):
         super()._unmap_batch(ranges)
 
 
-def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_refill() -> None:
-    # regression: vLLM's sleep capped the allocator while its pool thread was mapping an
-    # extent charged a moment before; the extent landed after the trim (and on a GPU
-    # during vLLM's own check that its sleep freed memory)
+@pytest.fixture
+def gated() -> Iterator[tuple[GatedHost, KVGroup]]:
+    """A GatedHost and one small layer group over it, closed after the test."""
     backend = GatedHost(budget=256 << 20, granularity=G)
     layout = KVLayout.uniform(
         backend, 2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4,
         max_tokens=64 * BPP * 4,
     )  # fmt: skip
     (group,) = layout.groups
+    yield backend, group
+    backend.gate.set()
+    layout.close()
+    backend.close()
+
+
+def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_refill(
+    gated: tuple[GatedHost, KVGroup],
+) -> None:
+    # regression: vLLM's sleep capped the allocator while its pool thread was mapping an
+    # extent charged a moment before; the extent landed after the trim (and on a GPU
+    # during vLLM's own check that its sleep freed memory)
+    backend, group = gated
     account = LocalAccount()
     backend.hold = True
     alloc = make(group, account=account, background=True, pool_low=PAGE_ID, pool_high=PAGE_ID)
@@ -909,20 +921,15 @@ def test_pause_growth_waits_for_the_pool_threads_growth_in_flight_and_stops_the_
     finally:
         backend.gate.set()
         alloc.close()
-        layout.close()
-        backend.close()
 
 
-def test_wait_released_waits_for_a_release_another_thread_has_in_flight() -> None:
+def test_wait_released_waits_for_a_release_another_thread_has_in_flight(
+    gated: tuple[GatedHost, KVGroup],
+) -> None:
     # regression: the serve supervisor lowers a vLLM instance's row limit to 0 and then
     # sleeps it; the pool thread was still unmapping what the limit released, so the
     # sleep returned with those bytes still reserved
-    backend = GatedHost(budget=256 << 20, granularity=G)
-    layout = KVLayout.uniform(
-        backend, 2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4,
-        max_tokens=64 * BPP * 4,
-    )  # fmt: skip
-    (group,) = layout.groups
+    backend, group = gated
     account = LocalAccount()
     alloc = make(group, account=account)
     try:
@@ -947,5 +954,3 @@ def test_wait_released_waits_for_a_release_another_thread_has_in_flight() -> Non
     finally:
         backend.gate.set()
         alloc.close()
-        layout.close()
-        backend.close()

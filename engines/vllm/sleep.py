@@ -22,9 +22,9 @@ it is. The two wrappers here give it back and bring it back, around vLLM's own c
   capped at 0 bytes. The cap releases every empty extent at once, and with no growth
   left in flight nothing lands after it; a release the pool thread already had under
   way (a row limit lowered just before) is waited for too, so the sleep returns with
-  only what stays held. When vLLM's pause is still under way (a
-  multiprocess engine with requests in flight) it returns a Future, and the trim waits
-  for it; requests that finish meanwhile still grow on demand.
+  only what stays held. When vLLM's pause is still under way (a multiprocess engine
+  with requests in flight) it returns a Future, and the trim waits for it; requests
+  that finish meanwhile still grow on demand.
 * `wake_up`, when the wake includes the KV (no tags, or ``kv_cache`` among them): the
   null block is mapped again before vLLM's own wake can resume the scheduler, and the
   caps are lifted, back to what each allocator had, after vLLM has mapped its pool back
