@@ -136,7 +136,14 @@ async def run_load(
 ) -> tuple[list[Result], float]:
     import httpx
 
-    limits = httpx.Limits(max_connections=8192, max_keepalive_connections=1024)
+    # An idle connection is dropped after 1 s, before uvicorn's 5 s keep-alive timeout
+    # closes it from the server's side: at overload the H200 run of 2026-12-02 lost 1-5
+    # requests in 1,300 to a bare ReadError on both sides, which a request sent on a
+    # connection the server is closing gives (suspected; the error now says whether any
+    # token had come).
+    limits = httpx.Limits(
+        max_connections=8192, max_keepalive_connections=1024, keepalive_expiry=1.0
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         started = time.monotonic()
         tasks = []

@@ -386,7 +386,9 @@ async def _one(
     except TimeoutError:
         return Result(model, False, error=f"no end within {timeout:g} s")
     except Exception as exc:
-        return Result(model, False, error=f"{type(exc).__name__}: {exc}"[:200])
+        # where it broke tells a refused or reused connection from a stream cut short
+        where = "mid-stream" if tokens else "before the first token"
+        return Result(model, False, error=f"{type(exc).__name__} {where}: {exc}"[:200])
     done = time.monotonic()
     if first is None:
         return Result(model, False, error="stream ended with no token")
