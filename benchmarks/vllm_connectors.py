@@ -12,6 +12,17 @@ the time a prefill costs when it is computed and saved, and when it is loaded.
 
     python benchmarks/vllm_connectors.py \
         --out benchmarks/results/cpu-2026-12-02/vllm_connectors.jsonl
+
+`--device gpu` (vLLM 0.26 on the H200, `scripts/vllm-gpu-run.sh connectors`) runs the
+OffloadingConnector trial instead (`--model`, e.g. the recipe's Qwen3-0.6B shape; an
+8 GiB CPU tier): bf16, 16 prompts of 1,024 tokens, 32 new tokens,
+twice, the GPU prefix cache reset between so the second round loads from the CPU tier.
+vLLM alone without a connector gives the reference; vLLM alone with the connector, then
+kvcached with it (`--prove`: served for the trial), must give it too, both rounds; then
+kvcached with the loaded blocks swapped (must differ, and must have loaded), and the
+stores of blocks kvcached did not hold with and without Note [A connector may read a
+freed block late]'s cooling (prefix cache off, so a freed block goes back at once);
+last, a tight instance limit with and without the tier (preemptions, cached tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +72,28 @@ def _error(text: str) -> str:
 
 
 def run(
-    model: Path, ledger: Path, args: tuple[str, ...], env: dict[str, str], *, kvcached: bool
+    model: Path,
+    ledger: Path,
+    args: tuple[str, ...],
+    env: dict[str, str],
+    *,
+    kvcached: bool,
+    batch: tuple[str, ...] = BATCH,
+    backend: str | None = "host",
 ) -> dict[str, Any]:
     environment = dict(os.environ)
     environment.update(
         ENABLE_KVCACHED="1" if kvcached else "0",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         KVCACHED_LEDGER_DIR=str(ledger),
-        KVCACHED_BACKEND="host",
         **env,
     )
-    if kvcached:
+    if backend is not None:
+        environment["KVCACHED_BACKEND"] = backend
+    if kvcached and backend == "host":
         environment.update(MANY_EXTENTS)
     done = subprocess.run(
-        [sys.executable, str(GENERATE), str(model), *BATCH, *args],
+        [sys.executable, str(GENERATE), str(model), *batch, *args],
         env=environment,
         capture_output=True,
         text=True,
@@ -88,16 +108,56 @@ def run(
     return {"outcome": outcome, "error": _error(text)}
 
 
+GPU_BATCH = ("--prompts", "16", "--prompt-len", "1024", "--max-tokens", "32", "--repeat", "2",
+             "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "16",
+             "--kv-bytes", str(4 << 30))  # fmt: skip
+OFFLOAD = ("--connector", "none", "--offload-gib", "8", "--reset-between")
+TRIAL = (*OFFLOAD, "--prove", "OffloadingConnector")
+
+
+def gpu_trial(model: Path, ledger: Path, emit: Callable[[dict[str, Any]], None]) -> None:
+    """The OffloadingConnector trial on a GPU (the module docstring)."""
+
+    def one(name: str, args: tuple[str, ...], *, kvcached: bool, env: dict[str, str] | None = None,
+            batch: tuple[str, ...] = GPU_BATCH) -> dict[str, Any]:  # fmt: skip
+        result = run(model, ledger, args, env or {}, kvcached=kvcached, batch=batch, backend=None)
+        for key in ("stored", "loaded", "corrupted"):
+            if key in result:
+                result[key] = len(result[key])
+        if batch != GPU_BATCH:  # another batch: nothing to compare its tokens with
+            result.pop("runs", None)
+        emit({"connector": "OffloadingConnector" if "--offload-gib" in args else "none",
+              "row": name, "kvcached": kvcached, **result})  # fmt: skip
+        return result
+
+    one("reference", ("--connector", "none", "--reset-between"), kvcached=False)
+    one("alone", OFFLOAD, kvcached=False)
+    one("kvcached", TRIAL, kvcached=True)
+    one("kvcached, loaded blocks swapped", (*TRIAL, "--corrupt-offload-loads"), kvcached=True)
+    for cooling in (True, False):
+        flags = ("--no-prefix-caching",) + (() if cooling else ("--no-cooling",))
+        one(f"stores, prefix cache off, cooling {'on' if cooling else 'off'}",
+            (*TRIAL, *flags), kvcached=True)  # fmt: skip
+    tight = {"KVCACHED_INSTANCE_LIMIT": "1GiB"}  # a Qwen3-0.6B shape: ~9K tokens
+    busy = ("--prompts", "64", "--prompt-len", "1024", "--max-tokens", "64", "--repeat", "2",
+            "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64")  # fmt: skip
+    one("tight limit, no tier", ("--connector", "none", "--reset-between"), kvcached=True,
+        env=tight, batch=busy)  # fmt: skip
+    one("tight limit, CPU tier", TRIAL, kvcached=True, env=tight, batch=busy)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--model", type=Path, default=None, help="default: a tiny random Qwen3")
     a = ap.parse_args()
     import vllm
 
     from kvcached.testing.random_model import make_random_model
 
     work = Path(tempfile.mkdtemp(prefix="kvcached-connectors-"))
-    model = make_random_model(work / "tiny-qwen3")
+    model = a.model or make_random_model(work / "tiny-qwen3")
     ledger = work / "ledger"
     ledger.mkdir()
     common = {"bench": "vllm_connectors", "vllm": vllm.__version__, "host": platform.node()}
@@ -114,6 +174,19 @@ def main() -> None:
             out.write(line + "\n")
             out.flush()
 
+    if a.device == "gpu":
+        reference: Any = None
+
+        def keep_reference(row: dict[str, Any]) -> None:
+            nonlocal reference
+            if row.get("row") == "reference":
+                reference = row.get("runs")
+            emit(row)
+
+        gpu_trial(model, ledger, keep_reference)
+        if out is not None:
+            out.close()
+        return
     plain = run(model, ledger, ("--connector", "none"), {}, kvcached=False)
     reference = plain["runs"]
     emit({"connector": "none", "kvcached": False, **plain})

@@ -438,6 +438,18 @@ def _serve_latency(files: dict[str, Rows]) -> list[str]:
     return _table([*header, "output tok/s", "goodput req/s", "served"], body)
 
 
+def _allocator(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = []
+    for r in rows:
+        if "us" in r:
+            body.append([r["case"], r["us"], "", "", "", r["target_us"], r["ok"]])
+        else:
+            body.append([r["case"], r["mean_us"], r["p50_us"], r["p99_us"], r["p999_us"],
+                         f"p99 ≤ {_g(r['target_p99_us'])}", r["ok"]])  # fmt: skip
+    return _table(["case", "µs (mean)", "p50 µs", "p99 µs", "p99.9 µs", "target µs", "met"], body)
+
+
 # -------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class Section:
@@ -464,6 +476,14 @@ SECTIONS = (
         "hip-python plus a stand-in `libamdhip64.so` that forwards to CUDA: this measures "
         "the ROCm backend's own overhead on an H200, not an AMD GPU.",
         _vmm_ops,
+    ),
+    Section(
+        "The page allocator's fast path",
+        "benchmarks/allocator.py",
+        ("cpu-2026-12-02/allocator.jsonl",),
+        "Blocks of a 36-layer, 8-KV-head, head-dim-128 bf16 model, the pool warm and its "
+        "thread running, the host backend: no driver call on these paths.",
+        _allocator,
     ),
     Section(
         "Growing and shrinking KV capacity",

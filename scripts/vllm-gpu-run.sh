@@ -27,6 +27,9 @@
 #              (default "kvcached static") picks the set-ups, SERVE_RATES the burst rates,
 #              SERVE_PREFIX_CACHING=on turns vLLM's prefix cache on in both.
 #              Needs vLLM's API server: the command must carry .whl-serve (uvicorn & co.)
+#   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06: the
+#              OffloadingConnector trial (issue 21): tokens with the CPU tier, vLLM alone
+#              and kvcached, loaded blocks swapped, stores of unheld blocks, a tight limit
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
 #   TP=2 RUNNERS=v1 bash scripts/vllm-gpu-run.sh overhead
@@ -61,6 +64,11 @@ for step in "$@"; do
             --model "${LATENCY_MODEL:-/tmp/m-q06}" --kv "${LATENCY_KV:-16GiB}" \
             --rates "${LATENCY_RATES:-8,16,32,64,128}" --seconds "${LATENCY_SECONDS:-20}" \
             --out "$out/serve_latency.jsonl" || status=1
+        ;;
+    connectors)
+        timeout "${CONNECTORS_S:-540}" python3 "$repo/benchmarks/vllm_connectors.py" \
+            --device gpu --model /tmp/m-q06 --out "$out/vllm_connectors_gpu.jsonl" \
+            | cut -c1-600 || status=1
         ;;
     multi)
         python3 "$repo/benchmarks/vllm_multi_instance.py" /tmp/m-q06 --dtype bfloat16 \
@@ -111,7 +119,8 @@ for step in "$@"; do
                 | cut -c1-400 | tail -n 12
         done
         ;;
-    *) echo "unknown step $step (overhead, overhead8b, latency, multi, sleep, serve)"; status=2 ;;
+    *) echo "unknown step $step (overhead, overhead8b, latency, connectors, multi, sleep, serve)"
+       status=2 ;;
     esac
 done
 exit $status

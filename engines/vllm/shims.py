@@ -139,7 +139,14 @@ def _connector(what: str) -> Callable[[Any], Any]:
     return replace
 
 
+def _cooling(original: Any) -> Any:
+    from kvcached.engines.vllm.connectors import cools_freed_blocks
+
+    return cools_freed_blocks(original)
+
+
 _EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
+_OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 
 
 SHIMS: tuple[Shim, ...] = (
@@ -284,6 +291,13 @@ SHIMS: tuple[Shim, ...] = (
         f"{_EXAMPLE}:ExampleConnector.save_kv_layer",
         ("0.32",),
         _connector("save_kv_layer"),
+        used_in="connectors.py",
+    ),
+    Shim(
+        "KV connector stores freed blocks a step late: they stay mapped",
+        f"{_OFFLOADING}:OffloadingConnectorScheduler.build_connector_meta",
+        _BOTH,
+        _cooling,
         used_in="connectors.py",
     ),
 )

