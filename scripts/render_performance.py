@@ -450,6 +450,14 @@ def _allocator(files: dict[str, Rows]) -> list[str]:
     return _table(["case", "µs (mean)", "p50 µs", "p99 µs", "p99.9 µs", "target µs", "met"], body)
 
 
+def _ledger(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = [[r["case"], r["instances"], r["us"], f"{_g(r['us_range'][0])}-{_g(r['us_range'][1])}",
+             r["batches"], r["rounds"]] for r in rows]  # fmt: skip
+    header = ["case", "instances", "µs (median)", "range of batches", "batches", "rounds"]
+    return _table(header, body)
+
+
 # -------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class Section:
@@ -484,6 +492,14 @@ SECTIONS = (
         "Blocks of a 36-layer, 8-KV-head, head-dim-128 bf16 model, the pool warm and its "
         "thread running, the host backend: no driver call on these paths.",
         _allocator,
+    ),
+    Section(
+        "The ledger's charge and refund",
+        "benchmarks/ledger.py",
+        ("cpu-2026-12-02/ledger.jsonl",),
+        "One process, a ledger of its own; each figure the median of 7 batches of the "
+        "mean per call. A refused charge includes the scan for dead rows and one retry.",
+        _ledger,
     ),
     Section(
         "Growing and shrinking KV capacity",

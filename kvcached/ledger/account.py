@@ -6,10 +6,11 @@ A charge is: take both locks (Note [Locking] in book.py), check that the file st
 has its size (one `lseek`; see Note [A ledger that shrank] in book.py), unpack this
 instance's row and the budget, sum the reserved column (one precompiled `struct` call
 that skips over the other fields of every row: format.py), write back reserved and
-peak, release: about 3 µs, and a refund about 1.4 µs, on a 2-core CI machine; small
-next to creating and mapping a 2 MiB page (tens of µs on a GPU). Only a charge that
-would fail does more: it looks for dead instances (Note [Reclaiming dead rows] in
-book.py) and retries once, which costs tens of µs more. Nothing else in the hot path
+peak, release: about 5.6 µs, and a refund about 3.6 µs, on the 2-core CPU machine
+(benchmarks/ledger.py; benchmarks/results/cpu-2026-12-02/ledger.jsonl); small next to
+creating and mapping a 2 MiB page (37 µs on the H200). Only a charge that would fail
+does more: it looks for dead instances (Note [Reclaiming dead rows] in book.py) and
+retries once, 45 µs in all. Nothing else in the hot path
 allocates, logs or touches /proc. For that the locks are taken inline here, with
 explicit acquire and release, rather than through the ledger's `_locked` helper.
 
