@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import IO, Any
 
 from paired_ratios import pair_ratios, verdict  # benchmarks/, on sys.path as this script's folder
@@ -206,6 +207,20 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+def config(a: argparse.Namespace) -> dict[str, Any]:
+    """What a summary was measured on, so that the cells of a sweep can be told apart
+    (and a user can find the cell nearest to a deployment)."""
+    from kvcached.config import settings
+
+    return {
+        "label": a.label, "model": Path(a.model).name, "prompts": a.prompts,
+        "prompt_len": [a.prompt_len, max(a.prompt_len, a.prompt_len_max or 0)],
+        "max_tokens": a.max_tokens, "gpu_mem": a.gpu_mem, "budget": a.budget,
+        "extent_size": settings().extent_size, "eager": a.eager, "tp": a.tp,
+        "dtype": a.dtype,
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -226,6 +241,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--log", default=None, help="the engines' own output goes here")
     ap.add_argument("--summarize", metavar="JSONL", help="only summarize the batches in JSONL")
+    ap.add_argument("--label", default=None, help="the cell's name in a characterization sweep")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -258,6 +274,7 @@ def main() -> None:
             records = measure(a, runner, forwarded, log, out)
             summary = summarize(runner, records)
             if summary is not None:
+                summary["config"] = config(a)
                 print(json.dumps(summary), flush=True)
                 if out:
                     out.write(json.dumps(summary) + "\n")

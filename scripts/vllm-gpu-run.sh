@@ -27,6 +27,10 @@
 #              (default "kvcached static") picks the set-ups, SERVE_RATES the burst rates,
 #              SERVE_PREFIX_CACHING=on turns vLLM's prefix cache on in both.
 #              Needs vLLM's API server: the command must carry .whl-serve (uvicorn & co.)
+#   sweep      the per-configuration characterization (issue 22): vllm_overhead.py over
+#              the cells of SWEEP_CELLS (default: all, about 20 min, so split them over
+#              calls), REPEATS (11) alternating batches each, into $OUT/sweep.jsonl, each
+#              summary with its `config` (label, model, lengths, extent size, runner)
 #   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06: the
 #              OffloadingConnector trial (issue 21): tokens with the CPU tier, vLLM alone
 #              and kvcached, loaded blocks swapped, stores of unheld blocks, a tight limit
@@ -64,6 +68,28 @@ for step in "$@"; do
             --model "${LATENCY_MODEL:-/tmp/m-q06}" --kv "${LATENCY_KV:-16GiB}" \
             --rates "${LATENCY_RATES:-8,16,32,64,128}" --seconds "${LATENCY_SECONDS:-20}" \
             --out "$out/serve_latency.jsonl" || status=1
+        ;;
+    sweep)
+        # cell: model, runner, prompts, prompt lengths (min max), new tokens, extent size
+        cells="q06-short-v1 q06-short-v2 q06-long-v1 q06-long-2MiB q06-long-64MiB q8b-short-v1 q8b-long-v2"
+        for cell in ${SWEEP_CELLS:-$cells}; do
+            case $cell in
+            q06-short-v1)   set -- /tmp/m-q06 v1 256 128 128 128 32MiB ;;
+            q06-short-v2)   set -- /tmp/m-q06 v2 256 128 128 128 32MiB ;;
+            q06-long-v1)    set -- /tmp/m-q06 v1 64 2048 4096 256 32MiB ;;
+            q06-long-2MiB)  set -- /tmp/m-q06 v1 64 2048 4096 256 2MiB ;;
+            q06-long-64MiB) set -- /tmp/m-q06 v1 64 2048 4096 256 64MiB ;;
+            q8b-short-v1)   set -- /tmp/m-q8b v1 128 512 512 128 32MiB ;;
+            q8b-long-v2)    set -- /tmp/m-q8b v2 32 2048 6144 256 32MiB ;;
+            *) echo "unknown sweep cell $cell"; status=2; continue ;;
+            esac
+            KVCACHED_EXTENT_SIZE=$7 timeout "${CELL_S:-420}" python3 \
+                "$repo/benchmarks/vllm_overhead.py" "$1" --label "$cell" --runners "$2" \
+                --repeats "${REPEATS:-11}" --prompts "$3" --prompt-len "$4" \
+                --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 --gpu-mem 0.4 \
+                --budget 40GiB --log "$out/sweep.log" --out "$out/sweep.jsonl" \
+                | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1
+        done
         ;;
     connectors)
         timeout "${CONNECTORS_S:-540}" python3 "$repo/benchmarks/vllm_connectors.py" \
@@ -119,7 +145,7 @@ for step in "$@"; do
                 | cut -c1-400 | tail -n 12
         done
         ;;
-    *) echo "unknown step $step (overhead, overhead8b, latency, connectors, multi, sleep, serve)"
+    *) echo "unknown step $step (overhead, overhead8b, latency, sweep, connectors, multi, sleep, serve)"
        status=2 ;;
     esac
 done
