@@ -11,8 +11,11 @@ Steps, each printed as JSON lines and written to OUT_DIR/sglang_overhead.jsonl:
 2. `warmup`: one full batch per engine (kvcached grows its memory here, on the critical
    path: the cold figure), its checksum too.
 3. `run`: timed `generate` batches, alternating (off, on, on, off, off, on, ...) for
-   `--repeats` pairs; `summary`: median output tokens/s each side, their ratio, and
-   whether every checksum equals the baseline's.
+   `--repeats` pairs; `summary`: median output tokens/s each side, their ratio, the
+   median paired ratio with its bootstrap interval and verdict (paired_ratios.py: met
+   when the lower bound is >= 0.98 and the median >= 0.99), and whether every checksum
+   equals the baseline's. The prompts repeat, so after the warm-up the radix cache holds
+   them and the timed batches are decode: what KV reads dominate.
 4. `pressure`: the kvcached instance's ledger limit is lowered to `--pressure-limit`
    (`Ledger.set_limit`, what `kvctl limit` does), so the batch no longer fits and SGLang
    queues and retracts; its checksum must still equal the baseline's.
@@ -50,6 +53,7 @@ INSTANCE = "sglang-overhead-kvcached"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "sglang_engine" / "plugins"))
 import kvcached_corrupt_kv  # noqa: E402  (the test-only corrupting plugin; not in kvcached)
+from paired_ratios import pair_ratios, verdict  # noqa: E402  (benchmarks/, beside this file)
 
 CORRUPT_ENV = kvcached_corrupt_kv.CORRUPT_ENV
 
@@ -71,6 +75,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per side (>= 3)")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument(
+        "--prompt-len-max", type=int, default=None, help="lengths from --prompt-len to this"
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="the baseline's pool")
     ap.add_argument("--budget", default="40GiB", help="the kvcached ledger's device budget")
@@ -85,6 +92,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.prompts < 1 or a.max_tokens < 1:
         ap.error("--repeats, --prompts and --max-tokens must be at least 1")
+    longest = max(a.prompt_len, a.prompt_len_max or 0)
+    if longest + a.max_tokens > a.context_length:
+        ap.error(f"--context-length {a.context_length} is shorter than the longest prompt "
+                 f"({longest}) plus --max-tokens ({a.max_tokens}): raise it")  # fmt: skip
     from kvcached.config import parse_size
 
     a.budget_bytes = parse_size(a.budget, what="--budget")
@@ -221,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = engines["off"].tokenizer_manager.tokenizer
     vocab = len(tokenizer) if tokenizer is not None else 1000
     rng = random.Random(0)
+    longest = max(a.prompt_len, a.prompt_len_max or 0)
     prompts = [
-        [rng.randrange(16, max(17, vocab - 16)) for _ in range(a.prompt_len)]
+        [rng.randrange(16, max(17, vocab - 16)) for _ in range(rng.randint(a.prompt_len, longest))]
         for _ in range(a.prompts)
     ]
     params = {"temperature": 0.0, "max_new_tokens": a.max_tokens, "ignore_eos": True}
 
-    def batch(side: str, step: str) -> dict[str, Any]:
+    def batch(side: str, step: str, repeat: int | None = None) -> dict[str, Any]:
         began = time.perf_counter()
         outputs = engines[side].generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - began
@@ -241,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             "cached_prompt_tokens": cached,
             "checksum": digest,
         }
+        if repeat is not None:
+            line["repeat"] = repeat
         if side == "on":
             line["ledger"] = ledger_row(ledger_dir)
         report.emit(line)
@@ -249,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     for side in engines:
         report.step("warmup", lambda side=side: results.append(batch(side, "warmup")))
-    for side in order(a.repeats):
-        if side in engines:
-            report.step(f"run {side}", lambda side=side: results.append(batch(side, "run")))
+    for index, side in enumerate(order(a.repeats)):
+        if side in engines:  # the two batches of repeat i run back to back: its pair
+            report.step(
+                f"run {side}",
+                lambda side=side, i=index // 2: results.append(batch(side, "run", i)),
+            )
     baseline = {r["checksum"] for r in results if r["side"] == "off"}
     runs = {
         side: [r for r in results if r["step"] == "run" and r["side"] == side] for side in engines
@@ -269,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "on" in speed and "off" in speed:
         summary["throughput_ratio"] = round(speed["on"] / speed["off"], 4)
+        sides = [{**r, "kvcached": r["side"] == "on"} for rs in runs.values() for r in rs]
+        pairs = pair_ratios(sides, key="out_tok_per_s")
+        summary["paired_ratios"] = [round(x, 4) for x in pairs]
+        summary.update(verdict(pairs))
     report.emit(summary)
     reference = next(iter(baseline)) if len(baseline) == 1 else None
 

@@ -5,6 +5,9 @@
 # site as a distribution (so SGLang's entry-point lookup finds the plugin), then runs:
 #   overhead   benchmarks/sglang_overhead.py: two Engines side by side, throughput ratio,
 #              start-up, greedy equality (also under pool pressure), a corrupted run
+#   overhead8b the same on the Qwen3-8B shape (/tmp/m-q8b: make it first with the vLLM
+#              recipe's make_random_model.py, preset qwen3-8b), 2K-6K-token prompts, 256
+#              new tokens, REPEATS (21) pairs: the run that can decide the target (issue 22)
 #   multi      benchmarks/sglang_multi_instance.py: two SGLang instances, one ledger
 #   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
 #              vLLM recipe's site; kvcached is installed there too)
@@ -53,6 +56,11 @@ for step in $steps; do
     overhead)
         python3 "$repo/benchmarks/sglang_overhead.py" "$model" --out-dir "$dir" \
             --repeats "${REPEATS:-3}" --tp-size "${TP:-1}" > "$dir/run.log" 2>&1 ;;
+    overhead8b)
+        timeout "${OVERHEAD_S:-540}" python3 "$repo/benchmarks/sglang_overhead.py" \
+            /tmp/m-q8b --out-dir "$dir" --repeats "${REPEATS:-21}" --prompts 32 \
+            --prompt-len 2048 --prompt-len-max 6144 --max-tokens 256 --context-length 8192 \
+            --mem-fraction 0.4 --budget 40GiB --skip pressure > "$dir/run.log" 2>&1 ;;
     multi)
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,sglang --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
@@ -60,7 +68,7 @@ for step in $steps; do
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,vllm --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
     *)
-        echo "STEP $step: unknown (overhead, multi, colocated)"; status=2; continue ;;
+        echo "STEP $step: unknown (overhead, overhead8b, multi, colocated)"; status=2; continue ;;
     esac
     rc=$?
     [ $rc -ne 0 ] && status=$rc
