@@ -106,7 +106,6 @@ class ElasticFreeQueue:
         # it (given: no prefix, held back from the supply; retained: kept from eviction)
         self._cool_steps = 0
         self._cooling: deque[tuple[list[int], list[int]]] = deque()
-        self._cooling_retained: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------- vLLM's contract
     @property
@@ -146,7 +145,6 @@ class ElasticFreeQueue:
             self._retained[block.block_id] = block
         if self._cool_steps:
             self._cooling[-1][1].extend(block.block_id for block in blocks)
-            self._cooling_retained |= {block.block_id for block in blocks}
         self._note_idle()
 
     def prepend_n(self, blocks: list[Any]) -> None:
@@ -218,19 +216,19 @@ class ElasticFreeQueue:
         if len(self._cooling) > self._cool_steps:
             given, _ = self._cooling.popleft()
             self.supply.give(given)
-            self._cooling_retained = frozenset(i for _, kept in self._cooling for i in kept)
 
-    def end_cooling(self) -> int:
-        """Every cooling block may go now (the engine is idle); returns how many were
-        held back from the supply."""
+    def end_cooling(self) -> None:
+        """Every cooling block may go now (the engine is idle)."""
+        if not self._cool_steps:
+            return
         given = [i for held, _ in self._cooling for i in held]
-        self._cooling = deque([([], [])]) if self._cool_steps else deque()
-        self._cooling_retained = frozenset()
+        self._cooling = deque([([], [])])
         self.supply.give(given)
-        return len(given)
 
     def _cooling_given(self) -> int:
-        return sum(len(held) for held, _ in self._cooling)
+        """Freed blocks held back from the supply (0 at once while nothing cools: this
+        is on the free-count path)."""
+        return sum(len(held) for held, _ in self._cooling) if self._cool_steps else 0
 
     # ------------------------------------------------------------ translation
     def _take_short(self, n: int) -> list[int]:
@@ -273,7 +271,9 @@ class ElasticFreeQueue:
         """What `reclaim` asks of the retained blocks: all of them, or those that empty
         pages first until the pages they free cover its bytes."""
         self.unstage()  # unused memory goes first
-        protected = self._protected | self._cooling_retained
+        protected = self._protected
+        if self._cool_steps:  # retained blocks freed in the last steps stay
+            protected = protected | {i for _, kept in self._cooling for i in kept}
         candidates = [b for b in self._retained if b not in protected]
         if reclaim.nbytes is None:
             chosen = candidates
