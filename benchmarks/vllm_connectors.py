@@ -162,12 +162,16 @@ def main() -> None:
     ledger.mkdir()
     common = {"bench": "vllm_connectors", "vllm": vllm.__version__, "host": platform.node()}
     out = a.out.open("w") if a.out else None
+    alone: Any = None  # --device gpu: vLLM alone with the connector, what kvcached must equal
 
     def emit(row: dict[str, Any]) -> None:
         row = {**common, **row}
         tokens = row.pop("runs", None)
         if tokens is not None:
             row["tokens_equal_reference"] = tokens == reference
+            if alone is not None and row.get("kvcached"):
+                row["tokens_equal_alone"] = tokens == alone
+                row["rounds_equal_alone"] = [x == y for x, y in zip(tokens, alone, strict=False)]
         line = json.dumps(row)
         print(line, flush=True)
         if out is not None:
@@ -178,9 +182,11 @@ def main() -> None:
         reference: Any = None
 
         def keep_reference(row: dict[str, Any]) -> None:
-            nonlocal reference
+            nonlocal reference, alone
             if row.get("row") == "reference":
                 reference = row.get("runs")
+            if row.get("row") == "alone":
+                alone = row.get("runs")
             emit(row)
 
         gpu_trial(model, ledger, keep_reference)

@@ -146,6 +146,7 @@ def measure(
 
     engines: dict[bool, Engine] = {}
     startup: dict[bool, float] = {}
+    deadline = time.monotonic() + a.seconds if a.seconds else None
     try:
         for kvcached in (False, True):
             env = dict(os.environ)
@@ -160,6 +161,8 @@ def measure(
             engines[kvcached] = Engine([sys.executable, __file__, *forwarded], env, log)
             startup[kvcached] = float(engines[kvcached].answer("READY ")["startup_s"])
         for repeat in range(a.repeats):
+            if deadline is not None and repeat >= 3 and time.monotonic() > deadline:
+                break  # a cell of a sweep keeps its summary within the device's time
             for kvcached in (False, True) if repeat % 2 == 0 else (True, False):
                 record: dict[str, Any] = {
                     "bench": "vllm_overhead", "runner": runner, "kvcached": kvcached,
@@ -238,6 +241,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (2 on 2 GPUs)")
     ap.add_argument("--token-max", type=int, default=20000, help="prompt token ids below this")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="start no pair after this many seconds (start-up included), "
+                    "once 3 pairs ran: fewer than --repeats pairs, but a summary")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--log", default=None, help="the engines' own output goes here")
     ap.add_argument("--summarize", metavar="JSONL", help="only summarize the batches in JSONL")

@@ -89,7 +89,7 @@ def _corruption_caught(verdict: dict[str, Any]) -> bool:
     )
 
 
-#: the side-by-side overhead runs, all on the Qwen3-0.6B shape (the `standard-gqa` row)
+#: the side-by-side overhead runs, on Qwen3 shapes (the `standard-gqa` row)
 _Q06, _Q8B = "Qwen3-0.6B", "Qwen3-8B"
 OVERHEAD_RUNS = (  # (engine, model shape, file)
     ("vLLM 0.26", _Q8B, "benchmarks/results/h200-2026-12-02/vllm_overhead_8b.jsonl"),
@@ -98,6 +98,7 @@ OVERHEAD_RUNS = (  # (engine, model shape, file)
     ("vLLM 0.26", _Q06, "benchmarks/results/h200-2026-12-01/vllm_overhead_v1_1024.jsonl"),
     ("vLLM 0.26", _Q06, "benchmarks/results/h200-2026-12-01/vllm_overhead_v1_side_by_side.jsonl"),
     ("vLLM 0.26", _Q06, "benchmarks/results/h200-2026-12-01/vllm_overhead_v2_side_by_side.jsonl"),
+    ("SGLang 0.5.16", _Q8B, "benchmarks/results/h200-2026-12-03/sglang_overhead_8b.jsonl"),
     ("SGLang 0.5.16", _Q06, "benchmarks/results/h200-2026-12-01/sglang_overhead.jsonl"),
 )
 
@@ -150,12 +151,41 @@ def _layout_section() -> list[str]:
         "The ratio is the file's summary line (vLLM: `ratio`, steady batches; SGLang:",
         "`throughput_ratio`, of median tokens/s); the paired ratio and its bootstrap",
         "interval, where the file has them, come from `benchmarks/paired_ratios.py`. The",
-        "Qwen3-8B run (2K-6K-token prompts, CUDA graphs on, 20 pairs) decides vLLM's case:",
-        "kvcached over the engine's own layout costs 0.05-0.2 % there. The Qwen3-0.6B runs are",
-        "host-bound and noisy: the paired ratios within one run spread more than the",
-        "differences between runs (`benchmarks/results/h200-2026-12-01/README.md`), so they",
-        "decide nothing, SGLang's included.",
+        "Qwen3-8B runs (2K-6K-token prompts, CUDA graphs on, 20-21 pairs) decide both",
+        "engines' case: kvcached over vLLM's own layout costs 0.05-0.2 % (interval of the",
+        "paired ratio), over SGLang's at most 0.07 % (its interval reaches 0.67 % faster).",
+        "The Qwen3-0.6B runs are host-bound and noisy: the paired ratios within one run spread",
+        "more than the differences between runs",
+        "(`benchmarks/results/h200-2026-12-01/README.md`), so they decide nothing.",
     ]
+    return lines
+
+
+def _connector_section() -> list[str]:
+    """vLLM's KV connectors: the adapter's own table of what it serves (`SERVED`, with
+    where each was proven) and why the others it knows are refused (`NOT_YET`)."""
+    from kvcached.engines.vllm.connectors import NOT_YET, SERVED
+
+    lines = [
+        "## KV connectors (vLLM)",
+        "",
+        "What the vLLM adapter serves under `kv_transfer_config` / `kv_offloading_size`,",
+        "read from `engines/vllm/connectors.py`; any other connector is refused at start-up",
+        "naming it and the ones served. Details and figures:",
+        "[vLLM](engines/vllm.md#kv-connectors).",
+        "",
+        "| connector | vLLM | with kvcached | why, and the equality run |",
+        "|---|---|---|---|",
+    ]
+    for served in SERVED:
+        lines.append(
+            f"| `{served.name}` | {', '.join(served.versions)} | served | {served.why}; "
+            f"{served.proof} |"
+        )
+    for name, why in NOT_YET.items():
+        versions = [v for s in SERVED if s.name == name for v in s.versions]
+        where = f"all but {', '.join(versions)}" if versions else "all"
+        lines.append(f"| `{name}` | {where} | refused | {why} |")
     return lines
 
 
@@ -196,6 +226,7 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
             cells.append(_cell(by_name.get(name), notes, tables[key]["label"]))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_layout_section()]
+    lines += ["", *_connector_section()]
     lines += ["", "## Notes", ""]
     lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     lines += ["", "## Runs", ""]

@@ -29,8 +29,9 @@
 #              Needs vLLM's API server: the command must carry .whl-serve (uvicorn & co.)
 #   sweep      the per-configuration characterization (issue 22): vllm_overhead.py over
 #              the cells of SWEEP_CELLS (default: all, about 20 min, so split them over
-#              calls), REPEATS (11) alternating batches each, into $OUT/sweep.jsonl, each
-#              summary with its `config` (label, model, lengths, extent size, runner)
+#              calls), REPEATS (11) alternating batches each, fewer where a cell's pairs
+#              would pass CELL_S (420) less 30 s, into $OUT/sweep.jsonl, each summary
+#              with its `config` (label, model, lengths, extent size, runner)
 #   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06: the
 #              OffloadingConnector trial (issue 21): tokens with the CPU tier, vLLM alone
 #              and kvcached, loaded blocks swapped, stores of unheld blocks, a tight limit
@@ -83,10 +84,11 @@ for step in "$@"; do
             q8b-long-v2)    set -- /tmp/m-q8b v2 32 2048 6144 256 32MiB ;;
             *) echo "unknown sweep cell $cell"; status=2; continue ;;
             esac
-            KVCACHED_EXTENT_SIZE=$7 timeout "${CELL_S:-420}" python3 \
+            cell_s=${CELL_S:-420}  # pairs stop 30 s before the timeout: a summary
+            KVCACHED_EXTENT_SIZE=$7 timeout "$cell_s" python3 \
                 "$repo/benchmarks/vllm_overhead.py" "$1" --label "$cell" --runners "$2" \
-                --repeats "${REPEATS:-11}" --prompts "$3" --prompt-len "$4" \
-                --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 --gpu-mem 0.4 \
+                --repeats "${REPEATS:-11}" --seconds $((cell_s - 30)) --prompts "$3" \
+                --prompt-len "$4" --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 --gpu-mem 0.4 \
                 --budget 40GiB --log "$out/sweep.log" --out "$out/sweep.jsonl" \
                 | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1
         done

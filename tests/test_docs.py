@@ -117,6 +117,24 @@ def test_performance_page_names_the_file_and_machine_of_every_table() -> None:
         assert machine in block
 
 
+def test_committed_overhead_plot_shows_every_overhead_cell_with_an_interval() -> None:
+    # the SVG keeps its labels as text (svg.fonttype none): each cell the page's overhead
+    # sections have an interval for is in it, so a new run cannot leave the plot stale
+    points = render_performance.overhead_points()
+    assert points, "no overhead summary with a paired-ratio interval: nothing to plot"
+    svg = render_performance.PLOT.read_text()
+    missing = [label for label, *_ in points if f">{label}<" not in svg]
+    assert not missing, f"regenerate with scripts/render_performance.py: {missing}"
+
+
+def test_overhead_plot_is_drawn_from_the_points(tmp_path: Path) -> None:
+    target = tmp_path / "plot.svg"
+    render_performance.plot_overhead([("cell-a", 0.995, 0.99, 1.0), ("cell-b", 0.9, 0.85, 0.93)],
+                                     target)  # fmt: skip
+    svg = target.read_text()
+    assert ">cell-a<" in svg and ">cell-b<" in svg and ">cell-c<" not in svg
+
+
 _PER_HANDLE = re.compile(r"(handle|cuMemSetAccess|set-access|set access)", re.IGNORECASE)
 _MICROSECONDS = re.compile(r"\d(?:[\d.,\u2013-]*\d)?\s*(?:µs|us)\b")  # ranges: 51-58 µs
 

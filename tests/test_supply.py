@@ -466,3 +466,29 @@ def test_an_idle_engine_ends_the_cooling(backing: BackingBuffer) -> None:
         queue.idle_upkeep(idle_for=3600.0)  # no step is left to count
         assert not any(allocator.is_allocated(b.block_id) for b in blocks)
         assert queue.unused_blocks == len(queue._retained)
+
+
+def test_the_count_wrapper_passes_the_prefix_hits_however_vllm_passes_them() -> None:
+    # Note [A counted block is a taken block]: the coordinator's count reaches the free
+    # queue with its prefix hits, given by position or by keyword (the wrapper finds
+    # their position once instead of binding the signature at every call)
+    from kvcached.engines.vllm.block_pool import ElasticFreeQueue, counted_for_the_comparison
+
+    told: list[tuple[int, Any]] = []
+    queue = object.__new__(ElasticFreeQueue)
+    queue.expect = lambda need, hits=(): told.append((need, hits))  # type: ignore[method-assign]
+
+    def count(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any,
+              num_encoder_tokens: int = 0) -> int:  # fmt: skip
+        return num_tokens // 16
+
+    wrapped = counted_for_the_comparison(count)
+    coordinator = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=queue))
+    hits = (["block"],)
+    assert wrapped(coordinator, "a", 64, hits) == 4
+    assert wrapped(coordinator, "b", 32, new_computed_blocks=hits, num_encoder_tokens=0) == 2
+    assert wrapped(coordinator, request_id="c", num_tokens=16, new_computed_blocks=None) == 1
+    assert told == [(4, hits), (2, hits), (1, ())]
+    plain = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=[]))
+    assert wrapped(plain, "d", 48, hits) == 3  # vLLM's own queue: nothing is told
+    assert len(told) == 3

