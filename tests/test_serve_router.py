@@ -505,15 +505,20 @@ def test_a_client_that_goes_away_closes_the_upstream_request(world: World) -> No
     engine = world.engine
     engine.closed.clear()
     handle = world.handle("alpha")
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", world.router.url + CHAT, json=chat_body(stream=True,
-                           x_behaviour="forever")) as r:  # fmt: skip
-            got = b""
-            for piece in r.iter_raw():
-                got += piece
-                if got.count(b"data:") >= 3:
-                    break
-        assert not engine.closed.is_set()  # the engine would go on for 10**6 tokens
+    body = chat_body(stream=True, x_behaviour="forever")
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", world.router.url + CHAT, json=body) as r,
+    ):
+        got = b""
+        for piece in r.iter_raw():
+            got += piece
+            if got.count(b"data:") >= 3:
+                break
+        # still connected: the engine goes on (for 10**6 tokens). Checked before the
+        # block ends, since leaving it closes the connection, and the close can reach
+        # the engine before the next line of this thread runs
+        assert not engine.closed.is_set()
     # the client's connection is closed here: the engine must see its request end
     wait_for(engine.closed.is_set, "the engine to see its request closed")
     wait_for(lambda: handle.stats.in_flight == 0, "the request to leave serving()")
