@@ -137,11 +137,13 @@ def _paired(rows: Rows, runner: str) -> str:
         and "tokens_per_s" in r and r.get("batch", 1) > 0  # older files: one engine a run
     ]  # fmt: skip
     pairs = pair_ratios(steady)
-    said = verdict(pairs)
-    if not pairs:
-        return "no pairs"
+    return _verdict_text(verdict(pairs)) if pairs else "no pairs"
+
+
+def _verdict_text(said: dict[str, Any]) -> str:
+    """paired_ratios.verdict's answer in one cell: median [interval] of pairs: verdict."""
     low, high = said["paired_ratio_ci95"]
-    return f"{said['paired_ratio_median']} [{low}, {high}] of {len(pairs)}: {said['verdict']}"
+    return f"{said['paired_ratio_median']} [{low}, {high}] of {said['pairs']}: {said['verdict']}"
 
 
 def _vllm_overhead(files: dict[str, Rows]) -> list[str]:
@@ -296,10 +298,8 @@ def _sglang_overhead(files: dict[str, Rows]) -> list[str]:
         ["start-up s", startup["off"], startup["on"]],
     ]  # fmt: skip
     if summary.get("paired_ratio_ci95"):
-        low, high = summary["paired_ratio_ci95"]
         body.append(["paired ratio median [95 % interval] of pairs: verdict", "",
-                     f"{summary['paired_ratio_median']} [{low}, {high}] of "
-                     f"{summary['pairs']}: {summary['verdict']}"])  # fmt: skip
+                     _verdict_text(summary)])  # fmt: skip
     if "pressure" in by_step:
         body += [
             [f"under a {by_step['pressure']['ledger']['limit']:,}-byte limit: tok/s", "",
@@ -960,9 +960,9 @@ def overhead_points(results: Path = RESULTS) -> list[tuple[str, float, float, fl
                     continue
                 if not ci or row.get("paired_ratio_median") is None:
                     continue
-                label = (row.get("config") or {}).get("label") or f"{Path(name).stem}"
-                if "runner" in row and not (row.get("config") or {}).get("label"):
-                    label += f" ({row['runner']})"
+                label = (row.get("config") or {}).get("label") or Path(name).stem + (
+                    f" ({row['runner']})" if "runner" in row else ""
+                )
                 points.append((label, float(row["paired_ratio_median"]), *map(float, ci)))
     return points
 

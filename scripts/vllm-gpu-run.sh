@@ -88,8 +88,8 @@ for step in "$@"; do
             KVCACHED_EXTENT_SIZE=$7 timeout "$cell_s" python3 \
                 "$repo/benchmarks/vllm_overhead.py" "$1" --label "$cell" --runners "$2" \
                 --repeats "${REPEATS:-11}" --seconds $((cell_s - 30)) --prompts "$3" \
-                --prompt-len "$4" --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 --gpu-mem 0.4 \
-                --budget 40GiB --log "$out/sweep.log" --out "$out/sweep.jsonl" \
+                --prompt-len "$4" --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 \
+                --gpu-mem 0.4 --budget 40GiB --log "$out/sweep.log" --out "$out/sweep.jsonl" \
                 | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1
         done
         ;;

@@ -71,7 +71,7 @@ class Served:
     name: str
     versions: tuple[str, ...]
     why: str
-    proof: str = ""  # where its equality run lives (the compatibility page shows it)
+    proof: str  # where its equality run lives (the compatibility page shows it)
 
 
 #: every connector the adapter serves; the rest are refused by name
