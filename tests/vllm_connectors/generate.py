@@ -173,7 +173,10 @@ def _prove(names: list[str]) -> None:
     minor = vllm_minor()
     connectors.SERVED = (
         *connectors.SERVED,
-        *(connectors.Served(name, (minor,), "on trial (generate.py --prove)") for name in names),
+        *(
+            connectors.Served(name, (minor,), "on trial", "this run (generate.py --prove)")
+            for name in names
+        ),
     )
 
 
