@@ -969,8 +969,9 @@ def overhead_points(results: Path = RESULTS) -> list[tuple[str, float, float, fl
                     continue
                 if not ci or row.get("paired_ratio_median") is None:
                     continue
-                if "config" in row:
-                    label = _sweep_cell(row["config"]["label"], name)
+                label = (row.get("config") or {}).get("label")  # None: run without --label
+                if label:
+                    label = _sweep_cell(label, name)
                 else:
                     label = Path(name).stem + (f" ({row['runner']})" if "runner" in row else "")
                 points.append((label, float(row["paired_ratio_median"]), *map(float, ci)))
