@@ -806,7 +806,7 @@ class ConformanceSuite(CapabilityGate):
         for t in workers:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in workers)
-        assert errors == []
+        assert errors == [], [f"{type(e).__name__}: {e}" for e in errors]
         assert shared.mappings() == []
         backend.free(shared)
         assert backend.live_counts == (0, 0)

@@ -114,14 +114,19 @@ RELEASE_PROBE_GRANULES = 32
 # process that maps memory then (another thread's large malloc, a temporary array) may be
 # placed there: Linux hands out the highest free gap first, and a hole just made inside a
 # reservation of ours often is that gap. Such takers are mostly short-lived, so a miss is
-# asked for again a few times, backing off from 1 ms (about 30 ms in all), before it
+# asked for again a few times, backing off from 1 ms before it
 # counts; a range held longer than that is a DriverError, as before, and loses nothing.
+# The first budget, 6 tries over about 30 ms, was too short on a loaded 2-core machine: a
+# short-lived taker in another thread waits for the GIL and a core before it lets go, and
+# the conformance suite's threaded test saw a range held past 31 ms (CI, 2026-12-03; 1 run
+# in 6 under two busy loops). 10 tries back off up to 256 ms, about 0.5 s in all, which a
+# miss pays only when the range was really taken.
 # One taker is not short-lived: a thread started in that moment, whose 8 MiB stack was
 # seen placed over a freed 4 MiB piece (the conformance suite's threaded test, host
 # stand-in, 2026-12-02). That piece stays unreserved for the thread's life, and maps
 # there fail with the DriverError; a process that starts threads while a cache grows or
 # shrinks under the workaround can lose that much of a reservation.
-ADDRESS_ATTEMPTS = 6
+ADDRESS_ATTEMPTS = 10
 ADDRESS_RETRY_S = 0.001
 
 Span = tuple[int, int]  # (address, nbytes)
@@ -639,7 +644,7 @@ class RocmBackend(Backend):
     def _reserve_exactly(self, start: int, size: int) -> str | None:
         """Reserve [start, start + size) there, or say why not. See Note [a range taken
         for a moment]: a range granted elsewhere is given back and asked for again, up
-        to `ADDRESS_ATTEMPTS` times over about 30 ms, before the miss counts."""
+        to `ADDRESS_ATTEMPTS` times over about 0.5 s, before the miss counts."""
         missed = ""
         for attempt in range(ADDRESS_ATTEMPTS):
             if attempt:
