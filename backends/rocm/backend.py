@@ -114,13 +114,13 @@ RELEASE_PROBE_GRANULES = 32
 # process that maps memory then (another thread's large malloc, a temporary array) may be
 # placed there: Linux hands out the highest free gap first, and a hole just made inside a
 # reservation of ours often is that gap. Such takers are mostly short-lived, so a miss is
-# asked for again a few times, backing off from 1 ms before it
-# counts; a range held longer than that is a DriverError, as before, and loses nothing.
-# The first budget, 6 tries over about 30 ms, was too short on a loaded 2-core machine: a
-# short-lived taker in another thread waits for the GIL and a core before it lets go, and
-# the conformance suite's threaded test saw a range held past 31 ms (CI, 2026-12-03; 1 run
-# in 6 under two busy loops). 10 tries back off up to 256 ms, about 0.5 s in all, which a
-# miss pays only when the range was really taken.
+# asked for again, backing off from 1 ms, before it counts; a range held longer than that
+# is a DriverError, as before, and loses nothing. The first budget, 6 tries over about
+# 30 ms, was too short on a loaded 2-core machine, where a taker in another thread waits
+# for the GIL and a core before it lets go: the conformance suite's threaded test failed
+# in a fresh-clone CI run (2026-12-03), and in 2 of 67 runs here beside two busy loops.
+# 10 tries back off up to 256 ms, about 0.5 s in all. Only a real miss pays it, but it
+# pays it holding the VA lock and the reservation's lock, so other maps wait that long.
 # One taker is not short-lived: a thread started in that moment, whose 8 MiB stack was
 # seen placed over a freed 4 MiB piece (the conformance suite's threaded test, host
 # stand-in, 2026-12-02). That piece stays unreserved for the thread's life, and maps
