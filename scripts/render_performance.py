@@ -482,6 +482,47 @@ def _vllm_connectors_gpu(files: dict[str, Rows]) -> list[str]:
     return _table([*header, "generate s"], body)
 
 
+def _vllm_pd(files: dict[str, Rows]) -> list[str]:
+    """The PD pair: each pair's check, the paired ratios over the rounds (the summary
+    file, written by `vllm_pd.py --summarize`), and what each engine held per round."""
+    rows = [r for name in files for r in files[name]]
+    checks = [r for r in rows if r.get("run") == "check"]
+
+    def held(r: dict[str, Any], text: str) -> str | None:  # kvcached's counts only
+        return text if r["setup"] == "kvcached" else None
+
+    body = [
+        [r["setup"], r["equals_plain_pair"], r["pair_equals_alone"], r["swapped_changed_tokens"],
+         held(r, f"{r['swapped_blocks_held']} of {r['swapped_blocks']}"),
+         held(r, f"{r['producer_held_after_prefill']} → {r['producer_held_after_read']}"),
+         r["startup_s"]]
+        for r in checks
+    ]  # fmt: skip
+    header = ["pair", "tokens equal the plain pair's", "equal one engine alone",
+              "swapped blocks changed them", "swapped blocks kvcached held",
+              "producer's blocks held: after prefill → after the read", "start-up s"]  # fmt: skip
+    lines = _table(header, body)
+    summaries = [r for r in rows if r.get("run") == "summary"]
+    keys = ("decode_tokens_per_s", "ttft_median_s", "tpot_median_s", "prefill_s")
+    body = [
+        [key, s[key]["ratio"], s[key]["median_plain"], s[key]["median_kvcached"],
+         s[key]["paired_ratio_median"], f"[{_g(s[key]['paired_ratio_ci95'][0])}, "
+         f"{_g(s[key]['paired_ratio_ci95'][1])}]", s[key]["pairs"], s[key]["verdict"]]
+        for s in summaries for key in keys
+    ]  # fmt: skip
+    header = ["figure", "ratio", "plain pair", "kvcached pair", "paired ratio",
+              "95 % interval", "rounds", "verdict"]  # fmt: skip
+    lines += ["", *_table(header, body)]
+    rounds = [r for r in rows if r.get("run") == "round"]
+    body = [
+        [r["repeat"], r["setup"], r["memory_bytes"]["producer_after_decode"],
+         r["memory_bytes"]["consumer_after"]]
+        for r in rounds
+    ]  # fmt: skip
+    header = ["round", "pair", "producer holds (bytes)", "consumer holds (bytes)"]
+    return [*lines, "", *_table(header, body)]
+
+
 def _schedule_cost(files: dict[str, Rows]) -> list[str]:
     body = []
     for name, rows in files.items():
@@ -826,6 +867,22 @@ SECTIONS = (
         "reference kvcached must equal (its own second round differs from vLLM without a "
         "connector: loading a prefix runs another kernel path in bf16).",
         _vllm_connectors_gpu,
+    ),
+    Section(
+        "Prefill/decode disaggregation with NIXL (H200)",
+        "benchmarks/vllm_pd.py",
+        ("h200-2026-12-03/vllm_pd.jsonl", "h200-2026-12-03/vllm_pd_summary.jsonl"),
+        "vLLM 0.26 with nixl-cu13 1.5.1, `--device gpu --eager`: two pairs of engines on "
+        "one H200 at once, each a producer and a consumer with the NixlConnector "
+        "(`kv_buffer_device=cpu`); plain engines with `gpu_memory_utilization` 0.12 each, "
+        "the kvcached pair on one 16 GiB budget. The check: 4 prompts of 300 tokens, 16 "
+        "greedy tokens. Rounds: 16 prompts of 1,024 tokens, 64 new, the same batch through "
+        "both pairs, alternating which goes first; the time limit (PD_S=510) stopped the run after "
+        "12 of 16 rounds, before its own summary, so the summary file is `vllm_pd.py "
+        "--summarize` of the rounds. Ratios read as kvcached's speed over plain's. Held: "
+        "kvcached's mapped bytes; the plain engines' torch-allocated bytes (weights and "
+        "the fixed pool).",
+        _vllm_pd,
     ),
     Section(
         "The scheduler's host time per step, before and after the fix",

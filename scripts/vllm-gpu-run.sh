@@ -35,6 +35,13 @@
 #   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06: the
 #              OffloadingConnector trial (issue 21): tokens with the CPU tier, vLLM alone
 #              and kvcached, loaded blocks swapped, stores of unheld blocks, a tight limit
+#   pd         benchmarks/vllm_pd.py --device gpu on /tmp/m-q06: a prefill/decode pair with
+#              the NixlConnector (kv_buffer_device=cpu), plain and under kvcached (issue 21),
+#              PD_ROUNDS (16) alternating rounds of PD_BATCH (16) prompts of PD_PROMPT_LEN
+#              (1024) tokens, PD_MAX_TOKENS (64) new; eager (four engine starts with
+#              torch.compile pass 4 min; PD_EAGER=0 for CUDA graphs). Needs NIXL: an earlier command of the
+#              same machine carried .whl-nixl (nixl + nixl-cu13 for Python 3.12, ~57 MiB)
+#              and ran install-into-site.sh, or this one carries it
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
 #   TP=2 RUNNERS=v1 bash scripts/vllm-gpu-run.sh overhead
@@ -92,6 +99,13 @@ for step in "$@"; do
                 --gpu-mem 0.4 --budget 40GiB --log "$out/sweep.log" --out "$out/sweep.jsonl" \
                 | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1
         done
+        ;;
+    pd)
+        timeout "${PD_S:-560}" python3 "$repo/benchmarks/vllm_pd.py" --device gpu \
+            --model /tmp/m-q06 --rounds "${PD_ROUNDS:-16}" --batch "${PD_BATCH:-16}" \
+            --prompt-len "${PD_PROMPT_LEN:-1024}" --max-tokens "${PD_MAX_TOKENS:-64}" \
+            --max-model-len 2048 --budget 16GiB --gpu-mem 0.12 --out "$out/vllm_pd.jsonl" \
+            $([ "${PD_EAGER:-1}" = 1 ] && echo --eager) || status=1
         ;;
     connectors)
         timeout "${CONNECTORS_S:-540}" python3 "$repo/benchmarks/vllm_connectors.py" \

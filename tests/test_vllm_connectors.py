@@ -180,7 +180,7 @@ def _config(transfer: Any) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize(
-    "name", ["OffloadingConnector", "NixlConnector", "LMCacheConnectorV1", "MooncakeConnector"]
+    "name", ["OffloadingConnector", "NixlPushConnector", "LMCacheConnectorV1", "MooncakeConnector"]
 )
 def test_unproven_connectors_are_refused_naming_them_and_the_served_ones(name: str) -> None:
     transfer = SimpleNamespace(kv_connector=name, kv_connector_module_path=None)

@@ -33,16 +33,32 @@ known to hold for it, and each is either true by construction or checked here:
   (`cools_freed_blocks`, Note [A connector may read a freed block late] in
   block_pool.py). Without the cooling its tokens change; with it they equal vLLM's.
 * **Memory registered with a transport stays valid.** A transport that registers the
-  buffer's address range for RDMA or IPC (NIXL, Mooncake, P2P NCCL) registers pages
-  that kvcached may unmap and remap; whether it follows that is unproven, so those
-  connectors stay refused.
+  buffer's address range for RDMA or IPC registers pages that kvcached may unmap and
+  remap. NIXL is served only where nothing it registers can go stale: with
+  ``kv_buffer_device="cpu"``. On a GPU, vLLM then stages every transfer through a host
+  buffer of its own (plain host memory, fixed for the engine's life, shaped like the
+  pool vLLM sees: under kvcached the device budget's worth of blocks) and copies blocks
+  between it and the device views with torch ops, which follow kvcached's mappings (on
+  vLLM 0.26 only once each layer reaches NIXL as a storage of its own: Note [NIXL's
+  packed path skips the host buffer]); on vLLM-CPU the registered range is kvcached's
+  host reservation itself, and UCX's host-memory transports (shared memory, CMA, TCP)
+  read and write it through the process's current mappings, pinning nothing. NIXL with
+  a device buffer (``kv_buffer_device="cuda"``) is refused: UCX's CUDA IPC must open
+  the peer's pages, which kvcached creates without an exportable handle, and most of
+  the range has no pages at registration. Mooncake and P2P NCCL stay refused
+  (unproven). In a PD pair the blocks a transfer touches are held on both sides: the
+  producer's request finishes with ``delay_free_blocks`` (pinned until the consumer's
+  read is acknowledged), the consumer's waits in ``WAITING_FOR_REMOTE_KVS`` holding the
+  blocks NIXL writes into; `checks_mapped_blocks` asserts the latter at each load.
 
 `SERVED` lists each connector proven this way, with the vLLM versions of the proof:
 greedy tokens equal with and without kvcached, and a corruption of the loaded blocks
 that changes them (the ExampleConnector on vLLM-CPU 0.32 in tests/test_vllm_connectors.py,
-including KV saved by one engine and loaded by a fresh one; the OffloadingConnector on
-vLLM 0.26 on the H200, `benchmarks/vllm_connectors.py --device gpu`, whose results are in
-benchmarks/results/h200-2026-12-03/: vLLM-CPU cannot run it, so CI cannot). `refusal`
+including KV saved by one engine and loaded by a fresh one; the NixlConnector between a
+prefill and a decode engine, on vLLM-CPU 0.32 in tests/test_vllm_pd.py and on vLLM 0.26
+on the H200 with `benchmarks/vllm_pd.py --device gpu`; the OffloadingConnector on vLLM
+0.26 on the H200, `benchmarks/vllm_connectors.py --device gpu`, which vLLM-CPU cannot
+run, so CI cannot; the H200 results are in benchmarks/results/h200-2026-12-03/). `refusal`
 refuses every other connector by name, including those vLLM configures for itself
 (``kv_offloading_size`` sets OffloadingConnector or SimpleCPUOffloadConnector) and any
 loaded from ``kv_connector_module_path``. docs/engines/vllm.md has the table of what was tried.
@@ -72,6 +88,21 @@ class Served:
     versions: tuple[str, ...]
     why: str
     proof: str  # where its equality run lives (the compatibility page shows it)
+    #: why a configuration of it is refused all the same (None: served as configured)
+    refuses: Callable[[Any], str | None] | None = None
+
+
+def nixl_buffer_refusal(kv_transfer_config: Any) -> str | None:
+    device = getattr(kv_transfer_config, "kv_buffer_device", None)
+    if device == "cpu":
+        return None
+    return (
+        f"NixlConnector with kv_buffer_device={device!r} registers kvcached's device range "
+        "with NIXL, whose CUDA IPC transport must open the peer's pages: kvcached creates "
+        "them without an exportable handle, and most of the range has no pages when it is "
+        "registered. kv_buffer_device='cpu' is served (vLLM stages each transfer through a "
+        "host buffer of its own)"
+    )
 
 
 #: every connector the adapter serves; the rest are refused by name
@@ -91,6 +122,17 @@ SERVED: tuple[Served, ...] = (
         "run after vLLM freed a block find it mapped and unclaimed (cooling)",
         "benchmarks/results/h200-2026-12-03/vllm_connectors_gpu.jsonl (H200, vLLM 0.26)",
     ),
+    Served(
+        "NixlConnector",
+        ("0.26", "0.32"),
+        "a prefill/decode pair: the producer pins the blocks it hands over "
+        "(delay_free_blocks) until the consumer has read them into blocks its waiting "
+        "request holds; with kv_buffer_device='cpu' nothing NIXL registers is remapped "
+        "under it (kv_buffer_device='cuda' is refused)",
+        "tests/test_vllm_pd.py (CI, vLLM-CPU 0.32); "
+        "benchmarks/results/h200-2026-12-03/vllm_pd.jsonl (H200, vLLM 0.26)",
+        refuses=nixl_buffer_refusal,
+    ),
 )
 
 #: why the connectors that were tried are not served (the docs' table says more)
@@ -100,7 +142,8 @@ NOT_YET: dict[str, str] = {
     "SimpleCPUOffloadConnector": "vLLM-CPU cannot run it; unproven on the GPU",
     "DecodeBenchConnector": "it fills blocks with dummy KV (no equality run is possible), "
     "and its startup_fill writes every block of the pool, mostly unmapped under kvcached",
-    "NixlConnector": "registers the KV range with NIXL, which kvcached remaps; unproven",
+    "NixlPushConnector": "the push (WRITE) variant of NIXL; unproven (the pull NixlConnector "
+    "is served)",
     "P2pNcclConnector": "needs two GPUs; unproven",
     "LMCacheConnectorV1": "lmcache 0.5.0-0.5.3 resolve their torch symbols against the "
     "H200's torch 2.11, but no run was made with it; unproven",
@@ -125,8 +168,9 @@ def refusal(kv_transfer_config: Any, minor: str) -> str | None:
             f"kv_transfer_config names the external connector {name} from {module_path!r}, "
             f"which kvcached has not proven; connectors {accepted}"
         )
-    if name in served:
-        return None
+    for entry in SERVED:
+        if entry.name == name and minor in entry.versions:
+            return None if entry.refuses is None else entry.refuses(kv_transfer_config)
     why = NOT_YET.get(str(name))
     return (
         f"the KV connector {name} is not supported yet"
@@ -136,10 +180,17 @@ def refusal(kv_transfer_config: Any, minor: str) -> str | None:
 
 
 def _held_block_ids(connector: Any) -> list[int]:
-    """The block ids the ExampleConnector's metadata of this step loads or saves."""
+    """The block ids this step's metadata loads or saves: the ExampleConnector's
+    requests (by slot), NIXL's requests to receive into and to stage out (by block)."""
     metadata = connector._get_connector_metadata()
-    block_size = int(connector._block_size)
     ids: set[int] = set()
+    if hasattr(metadata, "reqs_to_recv"):  # NIXL: per request, a list per KV cache group
+        for table in (metadata.reqs_to_recv, metadata.reqs_to_save):
+            for request in table.values():
+                for group in request.local_block_ids:
+                    ids.update(int(block) for block in group)
+        return sorted(ids)
+    block_size = int(connector._block_size)
     for request in metadata.requests:
         ids.update(int(slot) // block_size for slot in request.slot_mapping.tolist())
     return sorted(ids)
@@ -164,8 +215,9 @@ def _require_mapped(connector: Any, what: str) -> None:
 
 
 def checks_mapped_blocks(original: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """A connector method (`start_load_kv`, `save_kv_layer`) that first checks that
-    every block id of this step's metadata is held, so its page is mapped."""
+    """A connector method (`start_load_kv`, `save_kv_layer`, NIXL's `wait_for_save`)
+    that first checks that every block id of this step's metadata is held, so its page
+    is mapped."""
 
     @functools.wraps(original)
     def transfer(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -173,6 +225,40 @@ def checks_mapped_blocks(original: Callable[..., Any], what: str) -> Callable[..
         return original(self, *args, **kwargs)
 
     return transfer
+
+
+def registers_layers_apart(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`NixlBaseConnectorWorker.register_kv_caches` (vLLM 0.26): with a host buffer, each
+    layer's view reaches NIXL as a tensor of its own storage (Note [NIXL's packed path
+    skips the host buffer])."""
+
+    @functools.wraps(original)
+    def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> Any:
+        from torch.utils.dlpack import from_dlpack
+
+        views = list(kv_caches.values())
+        shared = len({v.untyped_storage().data_ptr() for v in views}) == 1
+        if getattr(self, "use_host_buffer", False) and len(views) > 1 and shared:
+            # the same memory, shape and strides; a storage per layer (DLPack keeps the
+            # view alive)
+            kv_caches = {name: from_dlpack(view) for name, view in kv_caches.items()}
+        return original(self, kv_caches)
+
+    return register_kv_caches
+
+
+# Note [NIXL's packed path skips the host buffer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# vLLM 0.26's NIXL worker takes its "packed KV cache" path when every layer's tensor is a
+# view of one storage (meant for caches that interleave all layers per block), and that
+# path registers the device storage itself, ignoring kv_buffer_device="cpu". kvcached's
+# layer views are views of one reservation, so on the H200 NIXL registered kvcached's
+# 17 GB device range as host memory ("Registering packed KV cache: total_size=
+# 17146314752"), and the producer died at the consumer's first read: UCX "mem type pack
+# failed to uct_ep_get_short()" after "cuda_copy_ep.c: cuMemcpyAsync(...) failed: invalid
+# argument". Plain vLLM allocates a tensor per layer and stages through its host buffer.
+# Handed a storage per layer, NIXL under kvcached takes that same path. vLLM 0.32 checks
+# the host buffer first, so the shim is for 0.26 only.
 
 
 #: scheduler steps a freed block stays mapped once a connector that copies freed blocks

