@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).parent / "matrix"))
 sys.path.insert(0, str(Path(__file__).parent / "vllm_connectors"))
 from harness import MANY_EXTENTS  # noqa: E402
-from pd_pair import environment, scenario  # noqa: E402
+from pd_pair import Side, environment, prompts, scenario, through_the_pair  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,30 @@ def test_the_consumer_grows_as_it_receives(elastic: dict[str, Any]) -> None:
     # 316 tokens per prompt: the 8 full blocks stay as its prefix cache once decoded
     assert after["used_blocks"] - before["used_blocks"] == 8
     assert after["reserved_bytes"] > before["reserved_bytes"]
+
+
+def test_a_consumer_short_of_memory_queues_the_transfers_and_decodes_the_same_tokens(
+    model: str, plain: dict[str, Any], tmp_path: Path
+) -> None:
+    # out of memory is a normal event: the consumer's limit holds 6 blocks (the null block
+    # and 5 more; a block is 128 KiB here), the 8 prompts need 3 each. vLLM, seeing
+    # kvcached's free count, admits the remote prefills a few at a time; all finish
+    block = 2 * 64 * 1024
+    env = environment(tmp_path / "ledger", kvcached=True, KVCACHED_BACKEND="host", **MANY_EXTENTS)
+    tight = dict(env, KVCACHED_INSTANCE_LIMIT=str(6 * block))
+    producer = Side(model, "kv_producer", env, tmp_path / "producer.log")
+    try:
+        consumer = Side(model, "kv_consumer", tight, tmp_path / "consumer.log")
+        try:
+            batch = prompts(4, 300, seed=0) + prompts(4, 300, seed=1)
+            seen = through_the_pair(producer, consumer, batch, 16)
+        finally:
+            consumer.close()
+    finally:
+        producer.close()
+    assert len(seen["producer_blocks"]) == 24  # 24 blocks handed over, 6 fit at a time
+    assert seen["tokens"] == plain["alone_a"] + plain["alone_b"]
+    assert seen["consumer_after"]["reserved_bytes"] <= 6 * block
 
 
 def test_nixl_is_served_with_a_host_buffer_and_refused_with_a_device_buffer() -> None:
