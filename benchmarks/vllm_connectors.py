@@ -23,11 +23,17 @@ kvcached with the loaded blocks swapped (must differ, and must have loaded), and
 stores of blocks kvcached did not hold with and without Note [A connector may read a
 freed block late]'s cooling (prefix cache off, so a freed block goes back at once);
 last, a tight instance limit with and without the tier (preemptions, cached tokens).
+`--trial lmcache` runs LMCache's connector the same way (lmcache 0.5.x, an 8 GiB CPU
+tier: reference, alone, kvcached, loaded blocks swapped); `--trial capacity` runs a batch
+that preempts (48 prompts of 1,024 tokens, 768 new, under a 2 GiB instance limit)
+without and with the OffloadingConnector's tier, then vLLM alone with a 2 GiB pool the
+same two ways: preemptions, the requests preempted, the blocks loaded back, the time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -115,22 +121,58 @@ OFFLOAD = ("--connector", "none", "--offload-gib", "8", "--reset-between")
 TRIAL = (*OFFLOAD, "--prove", "OffloadingConnector")
 
 
-def gpu_trial(model: Path, ledger: Path, emit: Callable[[dict[str, Any]], None]) -> None:
-    """The OffloadingConnector trial on a GPU (the module docstring)."""
+LMCACHE = ("--connector", "none", "--lmcache-gib", "8", "--reset-between")
+LMCACHE_TRIAL = (*LMCACHE, "--prove", "LMCacheConnectorV1")
+#: a Qwen3-0.6B shape's KV is 112 KiB a token: 2 GiB hold about 18K tokens, 10 of these
+#: requests at their full 1,792; 48 of them admitted on their prompts must preempt
+PREEMPTING = ("--prompts", "48", "--prompt-len", "1024", "--max-tokens", "768",
+              "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "48")  # fmt: skip
+
+
+def gpu_trial(
+    model: Path, ledger: Path, emit: Callable[[dict[str, Any]], None], trial: str
+) -> None:
+    """A connector trial on a GPU (the module docstring): `offloading`, `lmcache`, or
+    `capacity` (a preempting batch under a tight limit, without and with a CPU tier)."""
 
     def one(name: str, args: tuple[str, ...], *, kvcached: bool, env: dict[str, str] | None = None,
             batch: tuple[str, ...] = GPU_BATCH) -> dict[str, Any]:  # fmt: skip
         result = run(model, ledger, args, env or {}, kvcached=kvcached, batch=batch, backend=None)
-        for key in ("stored", "loaded", "corrupted"):
+        for key in ("stored", "loaded", "corrupted", "load_errors"):
             if key in result:
                 result[key] = len(result[key])
+        runs = result.get("runs")
+        if runs is not None:  # per round, so that two rows' tokens can be told apart
+            result["tokens_sha"] = [hashlib.sha256(json.dumps(r).encode()).hexdigest()[:12]
+                                    for r in runs]  # fmt: skip
         if batch != GPU_BATCH:  # another batch: nothing to compare its tokens with
             result.pop("runs", None)
-        emit({"connector": "OffloadingConnector" if "--offload-gib" in args else "none",
-              "row": name, "kvcached": kvcached, **result})  # fmt: skip
+        connector = ("OffloadingConnector" if "--offload-gib" in args else
+                     "LMCacheConnectorV1" if "--lmcache-gib" in args else "none")  # fmt: skip
+        emit({"connector": connector, "row": name, "kvcached": kvcached, **result})
         return result
 
+    if trial == "capacity":
+        # kvcached under a 2 GiB limit, then vLLM alone with a 2 GiB pool: whether the
+        # tier's effect on preemption is the connector's own or kvcached's (the cooling)
+        tight = {"KVCACHED_INSTANCE_LIMIT": "2GiB"}
+        pool = ("--kv-bytes", str(2 << 30))
+        one("preempting, no tier", ("--connector", "none"), kvcached=True, env=tight,
+            batch=PREEMPTING)  # fmt: skip
+        one("preempting, OffloadingConnector tier", TRIAL, kvcached=True, env=tight,
+            batch=PREEMPTING)  # fmt: skip
+        one("preempting, vLLM alone, no tier", ("--connector", "none", *pool), kvcached=False,
+            batch=PREEMPTING)  # fmt: skip
+        one("preempting, vLLM alone, OffloadingConnector tier", (*OFFLOAD, *pool),
+            kvcached=False, batch=PREEMPTING)  # fmt: skip
+        return
     one("reference", ("--connector", "none", "--reset-between"), kvcached=False)
+    if trial == "lmcache":
+        one("alone", LMCACHE, kvcached=False)
+        one("kvcached", LMCACHE_TRIAL, kvcached=True)
+        one("kvcached, loaded blocks swapped", (*LMCACHE_TRIAL, "--corrupt-offload-loads"),
+            kvcached=True)  # fmt: skip
+        return
     one("alone", OFFLOAD, kvcached=False)
     one("kvcached", TRIAL, kvcached=True)
     one("kvcached, loaded blocks swapped", (*TRIAL, "--corrupt-offload-loads"), kvcached=True)
@@ -151,6 +193,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--model", type=Path, default=None, help="default: a tiny random Qwen3")
+    ap.add_argument("--trial", choices=("offloading", "lmcache", "capacity"),
+                    default="offloading", help="--device gpu: which trial")  # fmt: skip
     a = ap.parse_args()
     import vllm
 
@@ -189,7 +233,7 @@ def main() -> None:
                 alone = row.get("runs")
             emit(row)
 
-        gpu_trial(model, ledger, keep_reference)
+        gpu_trial(model, ledger, keep_reference, a.trial)
         if out is not None:
             out.close()
         return

@@ -26,6 +26,21 @@ if ls "$repo"/.whl-nixl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$repo"/.whl-nixl/*.whl || exit 1
 fi
+# what vLLM 0.26 imports for the matrix's Qwen3.5 row (`matrix-gpu.sh`) and the recipe's site
+# lacks: compressed-tensors 0.17.0 (its pin) and loguru, where the command carried them
+if ls "$repo"/.whl-matrix/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$repo"/.whl-matrix/*.whl || exit 1
+fi
+# LMCache 0.5.3 for its connector (`vllm-gpu-run.sh connectors`, CONNECTOR_TRIALS=lmcache),
+# where the command carried it: lmcache and the few of its imports the device's image and
+# the vLLM recipe's site lack (aiofile, caio, uvicorn, httptools, blake3, nvtx), without
+# dependencies (the rest of its list, cloud storage and telemetry clients, is not imported
+# by the connector)
+if ls "$repo"/.whl-lmcache/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$repo"/.whl-lmcache/*.whl || exit 1
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \
     --target "$site" "$repo" || exit 1
 rm -rf "$repo/build" "$repo"/*.egg-info

@@ -18,7 +18,20 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$repo/gpu-out}
 mkdir -p "$out"
 bash "$repo/scripts/install-into-site.sh" /tmp/site || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
+# Gemma 4's configs: vLLM 0.26 reads them with the transformers of its day; the image's
+# 5.17 refuses the global head_dim it asks for (AmbiguousGlobalPerLayerAttributeError).
+# A command that carried .whl-transformers (transformers 5.12.1, SGLang 0.5.16's pin, and
+# the tokenizers it accepts) has them installed apart; OLD_TRANSFORMERS=1 puts them first
+# on the path for this command's rows.
+site=/tmp/site
+if ls "$repo"/.whl-transformers/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site-transformers "$repo"/.whl-transformers/*.whl || exit 1
+fi
+if [ "${OLD_TRANSFORMERS:-0}" = 1 ]; then
+    site=/tmp/site-transformers:/tmp/site
+fi
+export PYTHONPATH=$site PYTHONUNBUFFERED=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 KVCACHED_BACKEND=cuda
 # the harness runs from /tmp (so that kvcached comes from the site, not this tree): a
 # relative --keep FILE is made absolute first

@@ -473,12 +473,14 @@ def _vllm_connectors_gpu(files: dict[str, Rows]) -> list[str]:
         [r["row"], f"`{r['connector']}`", r["kvcached"], r["outcome"],
          each(r.get("rounds_equal_alone")), r.get("stored", "-"), r.get("loaded", "-"),
          r.get("corrupted", "-"), len(r["stored_unheld"]) if "stored_unheld" in r else "-",
-         r.get("preemptions"), each(r.get("cached_tokens")), r.get("generate_s")]
+         r.get("preemptions"), r.get("preempted_requests", "-"), each(r.get("cached_tokens")),
+         r.get("generate_s")]
         for r in rows
     ]  # fmt: skip
     header = ["run", "connector", "under kvcached", "outcome",
               "rounds equal to vLLM alone with it", "blocks stored", "loaded", "swapped",
-              "stored while not held", "preemptions", "cached tokens per round"]  # fmt: skip
+              "stored while not held", "preemptions", "requests preempted",
+              "cached tokens per round"]  # fmt: skip
     return _table([*header, "generate s"], body)
 
 
@@ -866,6 +868,27 @@ SECTIONS = (
         "64 prompts under a 1 GiB instance limit. vLLM alone with the connector is the "
         "reference kvcached must equal (its own second round differs from vLLM without a "
         "connector: loading a prefix runs another kernel path in bf16).",
+        _vllm_connectors_gpu,
+    ),
+    Section(
+        "LMCache's connector with kvcached (H200)",
+        "benchmarks/vllm_connectors.py",
+        ("h200-2026-12-04/vllm_connectors_gpu_lmcache.jsonl",),
+        "vLLM 0.26 with lmcache 0.5.3, `--device gpu --trial lmcache`: the OffloadingConnector "
+        "trial's batch and rounds with LMCacheConnectorV1 and an 8 GiB CPU tier. The second "
+        "round under kvcached differs from LMCache alone's, in two runs of each "
+        "(`vllm_connectors_gpu_lmcache_repeats.txt`): the connector stays refused.",
+        _vllm_connectors_gpu,
+    ),
+    Section(
+        "A CPU tier under preemption (H200)",
+        "benchmarks/vllm_connectors.py",
+        ("h200-2026-12-04/vllm_connectors_gpu_capacity.jsonl",),
+        "vLLM 0.26, `--device gpu --trial capacity`: 48 prompts of 1,024 tokens and 768 "
+        "greedy tokens each under a 2 GiB kvcached limit, without and with the "
+        "OffloadingConnector's 8 GiB tier, one run each. The tier raised preemptions here; "
+        "vLLM alone with a 2 GiB pool, which would say whether kvcached's cooling or the "
+        "connector causes it, has not run yet.",
         _vllm_connectors_gpu,
     ),
     Section(

@@ -32,9 +32,13 @@
 #              calls), REPEATS (11) alternating batches each, fewer where a cell's pairs
 #              would pass CELL_S (420) less 30 s, into $OUT/sweep.jsonl, each summary
 #              with its `config` (label, model, lengths, extent size, runner)
-#   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06: the
-#              OffloadingConnector trial (issue 21): tokens with the CPU tier, vLLM alone
-#              and kvcached, loaded blocks swapped, stores of unheld blocks, a tight limit
+#   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06, the trials of
+#              CONNECTOR_TRIALS (default offloading; also lmcache, capacity) (issue 21):
+#              offloading: tokens with the CPU tier, vLLM alone and kvcached, loaded blocks
+#              swapped, stores of unheld blocks, a tight limit; lmcache: the same with
+#              LMCacheConnectorV1 (needs .whl-lmcache carried by this or an earlier
+#              command); capacity: a preempting batch under a tight limit, with and
+#              without the OffloadingConnector's tier
 #   pd         benchmarks/vllm_pd.py --device gpu on /tmp/m-q06: a prefill/decode pair with
 #              the NixlConnector (kv_buffer_device=cpu), plain and under kvcached (issue 21),
 #              PD_ROUNDS (16) alternating rounds of PD_BATCH (16) prompts of PD_PROMPT_LEN
@@ -108,9 +112,13 @@ for step in "$@"; do
             $([ "${PD_EAGER:-1}" = 1 ] && echo --eager) || status=1
         ;;
     connectors)
-        timeout "${CONNECTORS_S:-540}" python3 "$repo/benchmarks/vllm_connectors.py" \
-            --device gpu --model /tmp/m-q06 --out "$out/vllm_connectors_gpu.jsonl" \
-            | cut -c1-600 || status=1
+        for trial in ${CONNECTOR_TRIALS:-offloading}; do
+            name=vllm_connectors_gpu
+            [ "$trial" = offloading ] || name=vllm_connectors_gpu_$trial
+            timeout "${CONNECTORS_S:-540}" python3 "$repo/benchmarks/vllm_connectors.py" \
+                --device gpu --trial "$trial" --model /tmp/m-q06 --out "$out/$name.jsonl" \
+                | cut -c1-600 || status=1
+        done
         ;;
     multi)
         python3 "$repo/benchmarks/vllm_multi_instance.py" /tmp/m-q06 --dtype bfloat16 \

@@ -255,6 +255,38 @@ def test_a_transfer_into_a_block_kvcached_does_not_hold_fails_naming_it(
     assert stray.loads == 0
 
 
+def test_lmcaches_transfers_are_checked_with_vllms_block_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # LMCache's connector keeps no block size of its own (vLLM's config has it), and a
+    # request of its metadata may carry no slots (nothing to load or save this step)
+    import torch
+
+    held = {2, 3}
+    fake = SimpleNamespace(allocator=SimpleNamespace(is_allocated=lambda b: b in held))
+    monkeypatch.setattr(instance, "current", lambda: fake)
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+
+    class LMCacheLike:
+        _vllm_config = config
+
+        def __init__(self, slots: list[int]) -> None:
+            requests = [SimpleNamespace(slot_mapping=torch.tensor(slots)),
+                        SimpleNamespace(slot_mapping=None)]  # fmt: skip
+            self.meta = SimpleNamespace(requests=requests)
+
+        def _get_connector_metadata(self) -> Any:
+            return self.meta
+
+        def wait_for_save(self) -> str:
+            return "saved"
+
+    guarded = connectors.checks_mapped_blocks(LMCacheLike.wait_for_save, "wait_for_save")
+    assert guarded(LMCacheLike(list(range(32, 64)))) == "saved"  # blocks 2 and 3
+    with pytest.raises(RuntimeError, match=r"wait_for_save would touch KV blocks \[4\]"):
+        guarded(LMCacheLike(list(range(32, 80))))  # block 4 is not held
+
+
 def test_the_offloading_connectors_steps_cool_the_free_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

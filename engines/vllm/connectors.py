@@ -145,8 +145,10 @@ NOT_YET: dict[str, str] = {
     "NixlPushConnector": "the push (WRITE) variant of NIXL; unproven (the pull NixlConnector "
     "is served)",
     "P2pNcclConnector": "needs two GPUs; unproven",
-    "LMCacheConnectorV1": "lmcache 0.5.0-0.5.3 resolve their torch symbols against the "
-    "H200's torch 2.11, but no run was made with it; unproven",
+    "LMCacheConnectorV1": "lmcache 0.5.3 runs beside the H200's vLLM 0.26, but under "
+    "kvcached the tokens of prompts loaded back from its CPU tier differ from LMCache "
+    "alone's (benchmarks/results/h200-2026-12-04/vllm_connectors_gpu_lmcache.jsonl); "
+    "unproven",
 }
 
 
@@ -180,8 +182,9 @@ def refusal(kv_transfer_config: Any, minor: str) -> str | None:
 
 
 def _held_block_ids(connector: Any) -> list[int]:
-    """The block ids this step's metadata loads or saves: the ExampleConnector's
-    requests (by slot), NIXL's requests to receive into and to stage out (by block)."""
+    """The block ids this step's metadata loads or saves: the ExampleConnector's and
+    LMCache's requests (by slot), NIXL's requests to receive into and to stage out (by
+    block)."""
     metadata = connector._get_connector_metadata()
     ids: set[int] = set()
     if hasattr(metadata, "reqs_to_recv"):  # NIXL: per request, a list per KV cache group
@@ -190,9 +193,12 @@ def _held_block_ids(connector: Any) -> list[int]:
                 for group in request.local_block_ids:
                     ids.update(int(block) for block in group)
         return sorted(ids)
-    block_size = int(connector._block_size)
+    # the ExampleConnector keeps its block size; LMCache's requests carry slots only
+    size = getattr(connector, "_block_size", None)
+    block_size = int(size or connector._vllm_config.cache_config.block_size)
     for request in metadata.requests:
-        ids.update(int(slot) // block_size for slot in request.slot_mapping.tolist())
+        if request.slot_mapping is not None:
+            ids.update(int(slot) // block_size for slot in request.slot_mapping.tolist())
     return sorted(ids)
 
 

@@ -154,6 +154,7 @@ def _nixl_registration(original: Any) -> Any:
 _EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 _OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+_LMCACHE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 
 
 SHIMS: tuple[Shim, ...] = (
@@ -311,6 +312,20 @@ SHIMS: tuple[Shim, ...] = (
         "KV connector saves only held blocks (NIXL: staged to its host buffer)",
         f"{_NIXL}.connector:NixlBaseConnector.wait_for_save",
         _BOTH,
+        _connector("wait_for_save"),
+        used_in="connectors.py",
+    ),
+    Shim(
+        "KV connector loads only into held blocks (LMCache: its retrieved chunks)",
+        f"{_LMCACHE}:LMCacheConnectorV1.start_load_kv",
+        ("0.26",),
+        _connector("start_load_kv"),
+        used_in="connectors.py",
+    ),
+    Shim(
+        "KV connector saves only held blocks (LMCache: stored at the step's end)",
+        f"{_LMCACHE}:LMCacheConnectorV1.wait_for_save",
+        ("0.26",),
         _connector("wait_for_save"),
         used_in="connectors.py",
     ),
@@ -584,6 +599,15 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_EXAMPLE}:ReqMeta.slot_mapping",
         ),
         ("0.32",),
+    ),
+    # LMCache's metadata (its requests' slot_mapping) is lmcache's, not vLLM's: the
+    # connector's block size is vLLM's
+    Contact(
+        "KV connector transfers only held blocks (LMCache: the block size)",
+        "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1._vllm_config",
+        ("0.26",),
+        "reads",
+        "connectors.py",
     ),
     Contact(
         "KV connector transfers only held blocks (checked once per step's metadata)",

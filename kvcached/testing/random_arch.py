@@ -47,6 +47,16 @@ class Architecture:
     #: fewer layers (whole periods of the layer pattern), experts and vocabulary; the
     #: per-layer KV shapes, windows and sharing stay the real ones
     gpu_trim: dict[str, Any] = field(default_factory=dict)
+    #: the H200 checkpoint's outer config where the device's vLLM registers only a
+    #: model's multimodal class: the text config goes under ``text_config`` beside these
+    #: fields (a tiny vision tower, which vLLM skips with ``language_model_only``)
+    gpu_composite: dict[str, Any] = field(default_factory=dict)
+
+    def class_name(self, *, scale: str) -> str:
+        """The model class a checkpoint of this `scale` names."""
+        if scale == "gpu" and self.gpu_composite:
+            return str(self.gpu_composite["architectures"][0])
+        return self.architecture
 
     def config(self, *, scale: str) -> dict[str, Any]:
         """`real`, `scaled` (CPU) or `gpu` (real KV shapes, trimmed depth)."""
@@ -195,6 +205,19 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "layer_types": _alternating("linear_attention", "full_attention", 4, 8),
             },
             architecture="Qwen3_5ForCausalLM",
+            # vLLM 0.26 registers Qwen3.5 only as Qwen3_5ForConditionalGeneration (the
+            # published checkpoints' class), and checks the config is its composite one
+            gpu_composite={
+                "model_type": "qwen3_5",
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "vision_config": {
+                    "depth": 1,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_heads": 2,
+                    "out_hidden_size": 4096,  # the text model's hidden size
+                },
+            },
             why_hard="3 Gated DeltaNet layers (no KV, a state cache) to 1 attention layer",
             common={"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
             real={
@@ -622,10 +645,54 @@ def make_arch_model(
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # type: ignore[no-untyped-call]
+    if scale == "gpu" and arch.gpu_composite:
+        from transformers import AutoModelForImageTextToText
+
+        outer = dict(arch.gpu_composite)
+        composite = AutoConfig.for_model(
+            outer.pop("model_type"),
+            text_config=config.to_dict(),
+            tie_word_embeddings=False,
+            dtype=dtype,
+            **outer,
+        )
+        model = AutoModelForImageTextToText.from_config(composite, dtype=getattr(torch, dtype))  # type: ignore[no-untyped-call]
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             param.copy_(_sharpen(param_name, param, attention_gain))
     model.save_pretrained(folder)
+    if scale == "gpu" and values.get("num_kv_shared_layers"):
+        _add_shared_layer_key_norms(folder)
     stamp.write_text(json.dumps(recipe))
     return folder
+
+
+def _add_shared_layer_key_norms(folder: Path) -> None:
+    """Give each KV-shared layer of a Gemma 4 checkpoint a key norm (ones, the shape of
+    its query norm). Such a layer computes no keys, and the transformers that vLLM 0.26
+    reads Gemma 4 with (5.12) saves none for it, but vLLM 0.26 declares one in every
+    layer and refuses a checkpoint that lacks it ("Following weights were not
+    initialized from checkpoint: {'model.layers.5.self_attn.k_norm.weight', ...}")."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    names = set(index["weight_map"]) if index else set(load_file(folder / files[0]))
+    for file in files:
+        tensors = load_file(folder / file)
+        added = {
+            name.replace(".q_norm.", ".k_norm."): torch.ones_like(weight)
+            for name, weight in tensors.items()
+            if name.endswith("self_attn.q_norm.weight")
+            and name.replace(".q_norm.", ".k_norm.") not in names
+        }
+        if added:
+            save_file({**tensors, **added}, folder / file, metadata={"format": "pt"})
+            if index is not None:
+                index["weight_map"].update(dict.fromkeys(added, file))
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2))

@@ -111,3 +111,21 @@ def test_gated_deltanet_states_stay_equal_without_prefix_caching_under_a_small_l
     assert alone["ok"] and limited["ok"], (alone.get("log_tail"), limited.get("log_tail"))
     assert limited["preemptions"] > 0
     assert limited["runs"] == alone["runs"]
+
+
+def test_gated_deltanet_states_never_read_what_a_freshly_mapped_page_held(
+    tmp_path: Path,
+) -> None:
+    # kvcached does not zero a page it maps (a CUDA page may hold anything; vLLM's own
+    # pool starts zeroed): a state or KV block must be written before it is read. Every
+    # fresh page is filled with 0x55 bytes, which a read would turn into huge bf16 values
+    name = "hybrid-linear-attention-moe"
+    model = make_arch_model(tmp_path / name, name)
+    batch = harness.engine_batch("vllm", name, gpu=False)
+    alone = harness.run_engine(model, tmp_path / "alone", kvcached=False, batch=batch)
+    poisoned = harness.run_engine(
+        model, tmp_path / "poisoned", kvcached=True, batch=(*batch, "--poison-fresh-pages")
+    )
+    assert alone["ok"] and poisoned["ok"], (alone.get("log_tail"), poisoned.get("log_tail"))
+    assert poisoned["poisoned_pages"] > 0  # the precondition: the run's blocks were poisoned
+    assert poisoned["runs"] == alone["runs"]

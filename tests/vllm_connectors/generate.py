@@ -20,6 +20,9 @@ recorded with the block ids kvcached did not hold at a store (`stored_unheld`: N
 connector may read a freed block late]); `--corrupt-offload-loads` swaps the bytes of
 the blocks each load wrote, once it has landed; `--no-cooling` turns that Note's
 cooling off, the comparison that shows `stored_unheld` can be non-empty.
+`--lmcache-gib G` runs LMCache's connector (LMCacheConnectorV1, lmcache 0.5.x on the
+GPU) with a CPU tier of G GiB instead, recorded the same way (`_watch_lmcache`), and
+`--corrupt-offload-loads` swaps what its retrievals wrote.
 """
 
 from __future__ import annotations
@@ -165,6 +168,72 @@ def _watch_offload(corrupt: bool) -> dict[str, list[int]]:
     return seen
 
 
+def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
+    """LMCache's counterpart of `_watch_offload`: record the blocks its worker stores
+    from at a step's end (and those kvcached did not hold) and the blocks each retrieval
+    wrote (the slots between vLLM's own prefix hit and LMCache's); with `corrupt`, swap
+    the retrieved blocks' bytes among themselves once the copy has landed."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
+        LMCacheConnectorV1,
+    )
+
+    seen: dict[str, list[int]] = {"stored": [], "stored_unheld": [], "loaded": [],
+                                  "corrupted": [], "load_errors": []}  # fmt: skip
+    load, save = LMCacheConnectorV1.start_load_kv, LMCacheConnectorV1.wait_for_save
+    errors = LMCacheConnectorV1.get_block_ids_with_load_errors
+
+    def get_block_ids_with_load_errors(self):  # type: ignore[no-untyped-def]
+        # blocks a retrieval did not fill: vLLM recomputes them, so tokens equal to a
+        # plain run's would not show the load worked
+        failed = errors(self)
+        seen["load_errors"] += sorted(int(b) for b in failed)
+        return failed
+
+    def block_size(self) -> int:  # type: ignore[no-untyped-def]
+        return int(self._vllm_config.cache_config.block_size)
+
+    def start_load_kv(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
+        import torch
+
+        load(self, forward_context, **kwargs)
+        blocks: list[int] = []
+        for request in self._get_connector_metadata().requests:
+            spec = request.load_spec
+            if spec is None or not spec.can_load:
+                continue
+            slots = request.slot_mapping[spec.vllm_cached_tokens : spec.lmcache_cached_tokens]
+            blocks += sorted({int(slot) // block_size(self) for slot in slots.tolist()})
+        seen["loaded"] += blocks
+        if corrupt and len(blocks) > 1:
+            torch.cuda.synchronize()  # the retrieval has landed
+            for kv in self._lmcache_engine.kv_caches.values():
+                axis = 1 if kv.shape[0] == 2 else 0  # (2, blocks, ...) or (blocks, ...)
+                index = torch.tensor(blocks, device=kv.device)
+                rows = kv.index_select(axis, index)
+                kv.index_copy_(axis, index, rows.roll(1, dims=axis))
+            seen["corrupted"] += blocks
+
+    def wait_for_save(self):  # type: ignore[no-untyped-def]
+        from kvcached.engines.vllm import instance
+
+        blocks: set[int] = set()
+        for request in self._get_connector_metadata().requests:
+            spec = request.save_spec
+            if spec is None or not spec.can_save or request.slot_mapping is None:
+                continue
+            blocks.update(int(slot) // block_size(self) for slot in request.slot_mapping.tolist())
+        seen["stored"] += sorted(blocks)
+        found = instance.current()
+        if found is not None:
+            seen["stored_unheld"] += [b for b in blocks if not found.allocator.is_allocated(b)]
+        return save(self)
+
+    LMCacheConnectorV1.get_block_ids_with_load_errors = get_block_ids_with_load_errors  # type: ignore[method-assign]
+    LMCacheConnectorV1.start_load_kv = start_load_kv  # type: ignore[method-assign]
+    LMCacheConnectorV1.wait_for_save = wait_for_save  # type: ignore[method-assign]
+    return seen
+
+
 def _prove(names: list[str]) -> None:
     """Serve `names` in this process although kvcached refuses them: a trial run."""
     from kvcached.engines.vllm import connectors
@@ -187,6 +256,7 @@ def main() -> None:
     ap.add_argument("--storage", default=None)
     ap.add_argument("--role", default="kv_both")
     ap.add_argument("--offload-gib", type=float, default=None)
+    ap.add_argument("--lmcache-gib", type=float, default=None)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -214,13 +284,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     preemptions = [0]
+    preempted: set[str] = set()  # the requests preempted at least once
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preempt = Scheduler._preempt_request
 
-    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting(self, request, *args, **kwargs):  # type: ignore[no-untyped-def]
         preemptions[0] += 1
-        return preempt(self, *args, **kwargs)
+        preempted.add(request.request_id)
+        return preempt(self, request, *args, **kwargs)
 
     Scheduler._preempt_request = counting  # type: ignore[method-assign]
     seen: dict[str, object] = {}
@@ -230,12 +302,21 @@ def main() -> None:
         delayed = _delay_frees(a.delay_free_steps)
     if a.offload_gib is not None and (a.prove or a.corrupt_offload_loads):
         seen.update(_watch_offload(a.corrupt_offload_loads))
+    if a.lmcache_gib is not None:
+        # LMCache reads its configuration from the environment: a CPU tier of that size,
+        # its default 256-token chunks, no usage reports (the device has no network)
+        os.environ.update(LMCACHE_LOCAL_CPU="True", LMCACHE_CHUNK_SIZE="256",
+                          LMCACHE_MAX_LOCAL_CPU_SIZE=str(a.lmcache_gib),
+                          LMCACHE_TRACK_USAGE="false")  # fmt: skip
+        seen.update(_watch_lmcache(a.corrupt_offload_loads))
 
     options: dict[str, object] = {}
     if os.environ.get("ENABLE_KVCACHED") != "1":
         options["kv_cache_memory_bytes"] = a.kv_bytes
     if a.offload_gib is not None:
         options["kv_offloading_size"] = a.offload_gib
+    elif a.lmcache_gib is not None:
+        options["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     elif a.connector != "none":
         extra = {"shared_storage_path": a.storage} if a.storage else {}
         options["kv_transfer_config"] = {
@@ -274,6 +355,7 @@ def main() -> None:
             {
                 "runs": runs,
                 "preemptions": preemptions[0],
+                "preempted_requests": len(preempted),
                 "cached_tokens": cached,
                 **seen,
                 **(delayed if a.delay_free_steps else {}),
@@ -284,6 +366,10 @@ def main() -> None:
         ),
         flush=True,
     )
+    if a.lmcache_gib is not None:
+        # LMCache's engine keeps threads that are not daemons (its lookup server and
+        # storage workers): the process printed its result but would never exit
+        os._exit(0)
 
 
 if __name__ == "__main__":

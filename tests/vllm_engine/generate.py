@@ -18,6 +18,11 @@ corrupts at the scheduler's step, while the running requests hold those blocks, 
 eviction, idle upkeep or release can have let them go first, however slow the machine
 (between two runs the held set depends on what the engine kept cached). It reports
 the blocks swapped and the step; a corruption that swapped fewer than two is no test.
+
+`--poison-fresh-pages` (host backend) fills every page kvcached maps with 0x55 bytes as
+it maps it, before vLLM sees it, and reports how many: a CUDA page may hold any bytes
+when it is mapped (cuMemCreate does not zero), where the host backend's come zeroed, so
+this shows on the CPU whether the engine reads a block before writing it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,6 +96,24 @@ def _corrupt_while_decoding(prompts: int, after: int) -> dict[str, int]:
     return done
 
 
+def _poison_fresh_pages() -> list[int]:
+    """Fill each page the host backend maps with 0x55 bytes; count them."""
+    import ctypes
+
+    from kvcached.backends.host.backend import HostBackend
+
+    count = [0]
+    original = HostBackend._map_one
+
+    def map_one(self, address, page):  # type: ignore[no-untyped-def]
+        original(self, address, page)
+        ctypes.memset(address, 0x55, page.nbytes)
+        count[0] += 1
+
+    HostBackend._map_one = map_one  # type: ignore[method-assign]
+    return count
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -104,7 +128,11 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=64 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--dtype", default="float32")  # MoE kernels on CPU need bfloat16
+    ap.add_argument("--additional-config", default=None, help="vLLM's, as JSON")
+    ap.add_argument("--attention-backend", default=None, help="vLLM's, e.g. TRITON_ATTN")
+    ap.add_argument("--poison-fresh-pages", action="store_true")
     a = ap.parse_args()
+    poisoned = _poison_fresh_pages() if a.poison_fresh_pages else [0]
 
     from vllm import LLM, SamplingParams
 
@@ -125,9 +153,17 @@ def main() -> None:
 
         Scheduler._preempt_request = counting  # type: ignore[method-assign]
 
-    options = {}
+    options: dict[str, object] = {}
     if os.environ.get("ENABLE_KVCACHED") != "1":
         options["kv_cache_memory_bytes"] = a.kv_bytes
+    if a.additional_config:
+        options["additional_config"] = json.loads(a.additional_config)
+    if a.attention_backend:
+        options["attention_backend"] = a.attention_backend
+    if "vision_config" in json.loads((Path(a.model) / "config.json").read_text()):
+        # a multimodal checkpoint (random_arch's composite H200 rows) runs its text
+        # model only: vLLM builds no vision tower and reads none of its weights
+        options["language_model_only"] = True
     started = time.perf_counter()
     llm = LLM(
         a.model,
@@ -157,6 +193,7 @@ def main() -> None:
             {
                 "runs": runs,
                 "preemptions": preemptions[0],
+                "poisoned_pages": poisoned[0],
                 "corrupted_blocks": corruption.get("corrupted_blocks", 0),
                 "corrupted_at_step": corruption.get("corrupted_at_step", 0),
                 "corrupted_after_tokens": a.corrupt_after if a.corrupt else 0,
