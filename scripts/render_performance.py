@@ -888,7 +888,8 @@ SECTIONS = (
         "greedy tokens each under a 2 GiB kvcached limit, without and with the "
         "OffloadingConnector's 8 GiB tier, one run each. The tier raised preemptions here; "
         "vLLM alone with a 2 GiB pool, which would say whether kvcached's cooling or the "
-        "connector causes it, has not run yet.",
+        "connector causes it, has not run yet, nor has the cooling as changed since (vLLM "
+        "may now reuse a cooling block).",
         _vllm_connectors_gpu,
     ),
     Section(

@@ -456,6 +456,37 @@ def test_while_cooling_pressure_does_not_evict_a_block_freed_in_the_last_steps(
         assert not any(allocator.is_allocated(b.block_id) for b in blocks)
 
 
+def test_while_cooling_vllm_may_take_a_freed_block_back_and_it_keeps_its_page(
+    backing: BackingBuffer,
+) -> None:
+    # vLLM's connector flushes a store pending on a block before the block's new owner
+    # writes it, so a cooling block may be reused; it must only keep its page. Under a
+    # limit that maps nothing more, the cooling blocks are what vLLM can still get
+    account = LocalAccount()
+    with _allocator(backing, account) as allocator:
+        queue, _ = _vllm_shaped(allocator)
+        queue.cool_freed_blocks(3)
+        blocks = _page_of_fresh_blocks(queue)
+        ids = {b.block_id for b in blocks}
+        account.limit = allocator.reserved_bytes  # no page more
+        queue.supply.recount()
+        assert queue.supply.obtainable() == 0  # every mapped block is held
+        queue.prepend_n(blocks)  # freed without a prefix: cooling
+        retained = len(queue._retained)
+        assert queue.num_free_blocks == retained + BPP  # counted as vLLM's own queue would
+        queue.expect(BPP)
+        assert queue.num_free_blocks >= BPP  # the comparison passes: no preemption
+        again = queue.popleft_n(BPP)
+        assert {b.block_id for b in again} == ids  # the freed ones, not the prefixes
+        assert len(queue._retained) == retained
+        held = allocator.reserved_bytes
+        for _ in range(4):  # the cooling's steps pass: nothing of theirs goes back
+            queue.next_step()
+            allocator.trim()
+            assert all(allocator.is_allocated(i) for i in ids)
+            assert allocator.reserved_bytes == held
+
+
 def test_an_idle_engine_ends_the_cooling(backing: BackingBuffer) -> None:
     with _allocator(backing, LocalAccount()) as allocator:
         queue, _ = _vllm_shaped(allocator)

@@ -145,6 +145,74 @@ def test_scaled_configs_keep_the_real_layer_structure() -> None:
         ARCHITECTURES["mla"].config(scale="tiny")
 
 
+def _small_gpu_form(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Row `name` with its CPU-scaled values in place of the real ones, so that its H200
+    checkpoint (the `gpu` scale's composite form and repairs) builds here in seconds."""
+    import dataclasses
+
+    from kvcached.testing import random_arch
+
+    arch = random_arch.ARCHITECTURES[name]
+    composite = dict(arch.gpu_composite)
+    if composite:  # the tower hands the text model vectors of its width
+        vision = {**composite["vision_config"], "out_hidden_size": arch.scaled["hidden_size"]}
+        composite["vision_config"] = vision
+    small = dataclasses.replace(arch, real=arch.scaled, gpu_trim={}, gpu_composite=composite)
+    monkeypatch.setitem(random_arch.ARCHITECTURES, name, small)
+
+
+def test_qwen35s_h200_checkpoint_is_the_composite_class_vllm_026_registers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors import safe_open
+
+    from kvcached.testing.random_arch import ARCHITECTURES, make_arch_model
+
+    name = "hybrid-linear-attention"
+    assert ARCHITECTURES[name].class_name(scale="gpu") == "Qwen3_5ForConditionalGeneration"
+    assert ARCHITECTURES[name].class_name(scale="scaled") == "Qwen3_5ForCausalLM"
+    _small_gpu_form(monkeypatch, name)
+    folder = make_arch_model(tmp_path / name, name, scale="gpu", dtype="bfloat16")
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == (
+        "qwen3_5",
+        ["Qwen3_5ForConditionalGeneration"],
+    )
+    assert config["text_config"]["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+    # where vLLM's composite class reads the text model and its head
+    assert "model.language_model.embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+def test_gemma4s_h200_checkpoint_gives_every_kv_shared_layer_a_key_norm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from kvcached.testing.random_arch import _add_shared_layer_key_norms, make_arch_model
+
+    name = "cross-layer-kv-sharing"
+    _small_gpu_form(monkeypatch, name)
+    folder = make_arch_model(tmp_path / name, name, scale="gpu", dtype="bfloat16")
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    shared = range(layers - config["num_kv_shared_layers"], layers)
+    key_norm = "model.layers.{}.self_attn.k_norm.weight"
+    tensors = load_file(folder / "model.safetensors")
+    # as transformers 5.12 saves it, which vLLM 0.26 refuses: no key norm where no key is
+    for i in shared:
+        tensors.pop(key_norm.format(i), None)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    _add_shared_layer_key_norms(folder)
+    repaired = load_file(folder / "model.safetensors")
+    for i in shared:
+        query_norm = repaired[f"model.layers.{i}.self_attn.q_norm.weight"]
+        assert repaired[key_norm.format(i)].shape == query_norm.shape
+        assert bool((repaired[key_norm.format(i)] == 1).all())
+    assert len(repaired) == len(tensors) + len(shared)  # nothing else changed
+
+
 def _render(tmp_path: Path, rows: list[dict[str, Any]]) -> str:
     sys.path.insert(0, str(ROOT / "scripts"))
     import render_compatibility

@@ -60,7 +60,15 @@ freed blocks keep their bytes until they are handed out again (and the connector
 for its copy before one is); kvcached's may lose their page. So once such a connector
 runs (`cool_freed_blocks`), every block vLLM frees stays mapped for a few more steps:
 a freed block without a prefix goes back to the supply only then, and a retained one
-is not evicted before (it can still be reused: its page stays). The steps are counted
+is not evicted before. vLLM may take either back meanwhile, as from its own queue: its
+connector flushes a store pending on a block before that block's new owner writes to it
+(`jobs_to_flush` in the connector's scheduler), so what must hold is only that the
+block keeps its page, which it does while allocated, cooling or held. So the cooling
+blocks count as free and are handed out when the supply is short, those freed longest
+ago first. (Until 2026-12-04 they were held back from vLLM too, so under a tight limit
+vLLM preempted rather than reuse them; a batch with the tier then preempted 143 times
+against 24 without it, benchmarks/results/h200-2026-12-04, the cooling's share in that
+not measured.) The steps are counted
 by the connector's once-a-step `build_connector_meta` (`next_step`), and three of them
 cover a copy built one step late even with asynchronous scheduling (one step in
 flight); the unmap that finally releases a page waits for the device first
@@ -118,7 +126,8 @@ class ElasticFreeQueue:
             return self._compare(need)
         if not self._comparisons_seen and self.holds_unused() and self.supply.check_due():
             self.upkeep(idle=False)
-        return len(self._retained) + len(self._staged) + self.supply.obtainable()
+        held = len(self._retained) + len(self._staged) + self._cooling_given()
+        return held + self.supply.obtainable()
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -188,8 +197,11 @@ class ElasticFreeQueue:
             del staged[need:]
         elif len(staged) < need:
             staged += self.supply.take_up_to(need - len(staged))
-        held = len(self._retained) + len(staged)
-        return held + self.supply.obtainable() if len(staged) >= need else held
+        # cooling blocks are the queue's own until `next_step`, which runs after this
+        # step's takes: counted, not staged (staged blocks may go back to the supply)
+        cooling = self._cooling_given()
+        held = len(self._retained) + len(staged) + cooling
+        return held + self.supply.obtainable() if len(staged) + cooling >= need else held
 
     def unstage(self) -> int:
         """Staged blocks back to the supply (memory no request holds); returns how many."""
@@ -237,13 +249,30 @@ class ElasticFreeQueue:
         is on the free-count path)."""
         return sum(len(held) for held, _ in self._cooling) if self._cool_steps else 0
 
+    def _take_cooling(self, n: int) -> list[int]:
+        """Up to `n` cooling blocks for vLLM to reuse, those freed longest ago first (as
+        its own queue would hand them out): they stay allocated, so their pages stay."""
+        taken: list[int] = []
+        for held, _ in self._cooling:
+            if len(taken) == n:
+                break
+            count = min(n - len(taken), len(held))
+            taken += held[:count]
+            del held[:count]
+        return taken
+
     # ------------------------------------------------------------ translation
     def _take_short(self, n: int) -> list[int]:
-        """The supply could not give all `n` fresh: take the rest from the retained
-        blocks (least recently used first), which the comparison counted on."""
-        reuse = min(n, len(self._retained))
-        fresh = self.supply.take(n - reuse, wait=0) if n > reuse else []
+        """The supply could not give all `n` fresh: take the rest from the cooling
+        blocks, then the retained ones (least recently used first), which the comparison
+        counted on."""
+        cooled = self._take_cooling(n)  # no prefix to lose: before the retained ones
+        reuse = min(n - len(cooled), len(self._retained))
+        rest = n - len(cooled) - reuse
+        fresh = self.supply.take(rest, wait=0) if rest else []
         if fresh is None:
+            if cooled:  # as they were, for the error's sake
+                self._cooling[0][0][:0] = cooled
             raise RuntimeError(
                 f"kvcached: vLLM took {n} KV blocks that no free-block count promised "
                 f"({len(self._retained)} retained, none staged); every take must follow "
@@ -251,7 +280,7 @@ class ElasticFreeQueue:
                 "in kvcached/engines/vllm/block_pool.py)"
             )
         taken = [self._retained.popitem(last=False)[0] for _ in range(reuse)]
-        return fresh + taken
+        return fresh + cooled + taken
 
     def _note_idle(self) -> None:
         if self._allocator.used_blocks <= 1 + self.unused_blocks:  # only the null block

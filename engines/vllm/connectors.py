@@ -29,9 +29,11 @@ known to hold for it, and each is either true by construction or checked here:
   OffloadingConnector loads asynchronously (its hits wait in WAITING_FOR_REMOTE_KVS,
   their blocks held), and it copies blocks *after* vLLM freed them (it stores a
   finished request's last chunks one step late), which cooling covers: while it runs,
-  freed blocks stay mapped and out of the free queue's reach for `COOL_STEPS` steps
-  (`cools_freed_blocks`, Note [A connector may read a freed block late] in
-  block_pool.py). Without the cooling its tokens change; with it they equal vLLM's.
+  freed blocks stay allocated, so mapped, for `COOL_STEPS` steps, though vLLM may take
+  them back meanwhile (its connector flushes a store pending on a block before the new
+  owner writes it) (`cools_freed_blocks`, Note [A connector may read a freed block
+  late] in block_pool.py). Without the cooling its tokens change; with it they equal
+  vLLM's.
 * **Memory registered with a transport stays valid.** A transport that registers the
   buffer's address range for RDMA or IPC registers pages that kvcached may unmap and
   remap. NIXL is served only where nothing it registers can go stale: with
