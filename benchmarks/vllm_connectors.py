@@ -138,7 +138,8 @@ def gpu_trial(
     def one(name: str, args: tuple[str, ...], *, kvcached: bool, env: dict[str, str] | None = None,
             batch: tuple[str, ...] = GPU_BATCH) -> dict[str, Any]:  # fmt: skip
         result = run(model, ledger, args, env or {}, kvcached=kvcached, batch=batch, backend=None)
-        for key in ("stored", "loaded", "corrupted", "load_errors"):
+        for key in ("stored", "loaded", "corrupted", "load_errors", "loaded_bytes_equal",
+                    "loaded_bytes_differ"):  # fmt: skip
             if key in result:
                 result[key] = len(result[key])
         runs = result.get("runs")

@@ -192,18 +192,59 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     def block_size(self) -> int:  # type: ignore[no-untyped-def]
         return int(self._vllm_config.cache_config.block_size)
 
+    # Does a retrieval write back the bytes that were stored? Per whole block: the sum of
+    # its KV over every layer when stored, keyed by the prompt (its first tokens) and
+    # the block's place in it, against the same sum once the retrieval has landed
+    stored_sums: dict[tuple[tuple[int, ...], int], float] = {}
+    check_errors: list[str] = []
+    seen["check_errors"] = check_errors  # type: ignore[assignment]
+    seen["loaded_bytes_equal"], seen["loaded_bytes_differ"] = [], []
+
+    def block_sums(self, ids: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
+        import torch
+
+        total = None
+        for kv in self._lmcache_engine.kv_caches.values():
+            axis = 1 if kv.shape[0] == 2 else 0
+            rows = kv.index_select(axis, torch.tensor(ids, device=kv.device)).float()
+            per_block = rows.sum(dim=[d for d in range(rows.dim()) if d != axis])
+            total = per_block if total is None else total + per_block
+        return [] if total is None else [float(x) for x in total.tolist()]
+
+    def whole_blocks(self, request, first: int, end: int):  # type: ignore[no-untyped-def]
+        """(key, block id) of each whole block of `request` in token range [first, end)."""
+        size = block_size(self)
+        prompt = tuple(int(t) for t in list(request.token_ids)[:16])
+        slots = request.slot_mapping
+        return [((prompt, j), int(slots[j * size]) // size)
+                for j in range(-(-first // size), end // size)]  # fmt: skip
+
     def start_load_kv(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
         import torch
 
         load(self, forward_context, **kwargs)
         blocks: list[int] = []
+        checked: list[tuple[tuple[tuple[int, ...], int], int]] = []
         for request in self._get_connector_metadata().requests:
             spec = request.load_spec
             if spec is None or not spec.can_load:
                 continue
             slots = request.slot_mapping[spec.vllm_cached_tokens : spec.lmcache_cached_tokens]
             blocks += sorted({int(slot) // block_size(self) for slot in slots.tolist()})
+            checked += whole_blocks(self, request, spec.vllm_cached_tokens,
+                                    spec.lmcache_cached_tokens)  # fmt: skip
         seen["loaded"] += blocks
+        if checked:
+            torch.cuda.synchronize()  # the retrieval has landed
+            try:  # a diagnostic: its failure is recorded, and the run goes on
+                now = block_sums(self, [block for _, block in checked])
+            except Exception as exc:
+                check_errors.append(repr(exc)[:300])
+                now = []
+            for (key, block), value in zip(checked, now, strict=False):
+                if key in stored_sums:
+                    same = stored_sums[key] == value
+                    seen["loaded_bytes_equal" if same else "loaded_bytes_differ"].append(block)
         if corrupt and len(blocks) > 1:
             torch.cuda.synchronize()  # the retrieval has landed
             for kv in self._lmcache_engine.kv_caches.values():
@@ -223,6 +264,18 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                 continue
             blocks.update(int(slot) // block_size(self) for slot in request.slot_mapping.tolist())
         seen["stored"] += sorted(blocks)
+        for request in self._get_connector_metadata().requests:
+            spec = request.save_spec
+            if spec is None or not spec.can_save or request.slot_mapping is None:
+                continue
+            try:
+                pairs = whole_blocks(self, request, 0, len(request.slot_mapping))
+                sums = block_sums(self, [b for _, b in pairs])
+            except Exception as exc:
+                check_errors.append(repr(exc)[:300])
+                continue
+            for (key, _), value in zip(pairs, sums, strict=True):
+                stored_sums.setdefault(key, value)  # the first store of a block counts
         found = instance.current()
         if found is not None:
             seen["stored_unheld"] += [b for b in blocks if not found.allocator.is_allocated(b)]
