@@ -222,69 +222,65 @@ def test_kv_offloading_size_is_refused_as_the_connector_vllm_picks_for_it() -> N
     )
 
 
-def test_a_transfer_into_a_block_kvcached_does_not_hold_fails_naming_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import torch
+class _FakeConnector:
+    """A connector whose step metadata has a request per slot mapping (None: a request
+    with nothing to move); `transfer` stands for the load or save the check wraps."""
 
-    held = {1, 2}
+    def __init__(self, *slot_mappings: list[int] | None) -> None:
+        import torch
+
+        requests = [SimpleNamespace(slot_mapping=None if s is None else torch.tensor(s))
+                    for s in slot_mappings]  # fmt: skip
+        self.meta = SimpleNamespace(requests=requests)
+        self.transfers = 0
+
+    def _get_connector_metadata(self) -> Any:
+        return self.meta
+
+    def transfer(self, *args: Any) -> str:
+        self.transfers += 1
+        return "done"
+
+
+class _ExampleLike(_FakeConnector):
+    _block_size = 4  # the ExampleConnector keeps its own
+
+
+class _LMCacheLike(_FakeConnector):
+    # LMCache's connector keeps no block size of its own: vLLM's config has it
+    _vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+
+
+def _kvcached_holds(monkeypatch: pytest.MonkeyPatch, held: set[int]) -> None:
     fake = SimpleNamespace(allocator=SimpleNamespace(is_allocated=lambda b: b in held))
     monkeypatch.setattr(instance, "current", lambda: fake)
 
-    class Connector:
-        _block_size = 4
 
-        def __init__(self, slots: list[int]) -> None:
-            request = SimpleNamespace(slot_mapping=torch.tensor(slots))
-            self.meta = SimpleNamespace(requests=[request])
-            self.loads = 0
-
-        def _get_connector_metadata(self) -> Any:
-            return self.meta
-
-        def start_load_kv(self, context: Any) -> None:
-            self.loads += 1
-
-    guarded = connectors.checks_mapped_blocks(Connector.start_load_kv, "start_load_kv")
-    fine = Connector(list(range(4, 12)))  # blocks 1 and 2
+def test_a_transfer_into_a_block_kvcached_does_not_hold_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _kvcached_holds(monkeypatch, {1, 2})
+    guarded = connectors.checks_mapped_blocks(_ExampleLike.transfer, "start_load_kv")
+    fine = _ExampleLike(list(range(4, 12)))  # blocks 1 and 2
     guarded(fine, None)
-    assert fine.loads == 1
-    stray = Connector(list(range(4, 16)))  # block 3 is not held
+    assert fine.transfers == 1
+    stray = _ExampleLike(list(range(4, 16)))  # block 3 is not held
     with pytest.raises(RuntimeError, match=r"start_load_kv would touch KV blocks \[3\]"):
         guarded(stray, None)
-    assert stray.loads == 0
+    assert stray.transfers == 0
 
 
 def test_lmcaches_transfers_are_checked_with_vllms_block_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # LMCache's connector keeps no block size of its own (vLLM's config has it), and a
-    # request of its metadata may carry no slots (nothing to load or save this step)
-    import torch
-
-    held = {2, 3}
-    fake = SimpleNamespace(allocator=SimpleNamespace(is_allocated=lambda b: b in held))
-    monkeypatch.setattr(instance, "current", lambda: fake)
-    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
-
-    class LMCacheLike:
-        _vllm_config = config
-
-        def __init__(self, slots: list[int]) -> None:
-            requests = [SimpleNamespace(slot_mapping=torch.tensor(slots)),
-                        SimpleNamespace(slot_mapping=None)]  # fmt: skip
-            self.meta = SimpleNamespace(requests=requests)
-
-        def _get_connector_metadata(self) -> Any:
-            return self.meta
-
-        def wait_for_save(self) -> str:
-            return "saved"
-
-    guarded = connectors.checks_mapped_blocks(LMCacheLike.wait_for_save, "wait_for_save")
-    assert guarded(LMCacheLike(list(range(32, 64)))) == "saved"  # blocks 2 and 3
+    # and a request of LMCache's metadata may carry no slots (nothing to move this step)
+    _kvcached_holds(monkeypatch, {2, 3})
+    guarded = connectors.checks_mapped_blocks(_LMCacheLike.transfer, "wait_for_save")
+    assert guarded(_LMCacheLike(list(range(32, 64)), None)) == "done"  # blocks 2 and 3
+    stray = _LMCacheLike(list(range(32, 80)), None)  # block 4 is not held
     with pytest.raises(RuntimeError, match=r"wait_for_save would touch KV blocks \[4\]"):
-        guarded(LMCacheLike(list(range(32, 80))))  # block 4 is not held
+        guarded(stray)
+    assert stray.transfers == 0
 
 
 def test_the_offloading_connectors_steps_cool_the_free_queue(

@@ -234,8 +234,9 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             checked += whole_blocks(self, request, spec.vllm_cached_tokens,
                                     spec.lmcache_cached_tokens)  # fmt: skip
         seen["loaded"] += blocks
-        if checked:
+        if blocks:
             torch.cuda.synchronize()  # the retrieval has landed
+        if checked:
             try:  # a diagnostic: its failure is recorded, and the run goes on
                 now = block_sums(self, [block for _, block in checked])
             except Exception as exc:
@@ -246,7 +247,6 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                     same = stored_sums[key] == value
                     seen["loaded_bytes_equal" if same else "loaded_bytes_differ"].append(block)
         if corrupt and len(blocks) > 1:
-            torch.cuda.synchronize()  # the retrieval has landed
             for kv in self._lmcache_engine.kv_caches.values():
                 axis = 1 if kv.shape[0] == 2 else 0  # (2, blocks, ...) or (blocks, ...)
                 index = torch.tensor(blocks, device=kv.device)
@@ -263,11 +263,6 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             if spec is None or not spec.can_save or request.slot_mapping is None:
                 continue
             blocks.update(int(slot) // block_size(self) for slot in request.slot_mapping.tolist())
-        seen["stored"] += sorted(blocks)
-        for request in self._get_connector_metadata().requests:
-            spec = request.save_spec
-            if spec is None or not spec.can_save or request.slot_mapping is None:
-                continue
             try:
                 pairs = whole_blocks(self, request, 0, len(request.slot_mapping))
                 sums = block_sums(self, [b for _, b in pairs])
@@ -276,6 +271,7 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                 continue
             for (key, _), value in zip(pairs, sums, strict=True):
                 stored_sums.setdefault(key, value)  # the first store of a block counts
+        seen["stored"] += sorted(blocks)
         found = instance.current()
         if found is not None:
             seen["stored_unheld"] += [b for b in blocks if not found.allocator.is_allocated(b)]
