@@ -12,6 +12,8 @@ can load, and this process keeps the stand-in loaded once hip-python has opened 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import threading
 import warnings
@@ -382,6 +384,45 @@ def test_a_range_taken_for_a_moment_is_asked_for_again_and_the_map_succeeds(
         b.free(r)
         b.release(keep)
         b.release(page)
+
+
+def test_a_mapping_made_while_a_piece_is_free_lands_outside_the_reservation(
+    device: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (CI, 2026-12-04): under the workaround a reservation lay at the low end
+    of the process's mappings, so a piece freed inside it was the highest gap, and a
+    mapping made in that moment (a Python arena of another thread) took it for good: the
+    unmap warned, and maps there failed. Reservations now lie far below the mappings
+    Linux places (Note [holes below the frontier])."""
+    takers: list[tuple[mmap.mmap, int]] = []
+    with backend_on(monkeypatch, bug_release="1") as b:
+        r = b.reserve(16 * G)
+        reserve_at = b._reserve_at
+
+        def another_thread_maps_first(spans: Any, **options: Any) -> Any:
+            # in the moment the pieces are free, a mapping of their largest one's size
+            taker = mmap.mmap(-1, max(size for _, size in spans))
+            address = ctypes.addressof(ctypes.c_char.from_buffer(taker))
+            takers.append((taker, address))
+            return reserve_at(spans, **options)
+
+        monkeypatch.setattr(b, "_reserve_at", another_thread_maps_first)
+        page = b.create(2 * G)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            b.map(r, 4 * G, page)  # frees [0, 16) and reserves three pieces again
+            b.view(r, 4 * G, (2 * G,), "uint8").fill_(5)
+            b.unmap(r, 4 * G, 2 * G)  # frees [4, 6) and reserves it again
+            b.map(r, 4 * G, page)  # its piece is ready: no reserve
+        assert len(takers) == 2, "the workaround freed no piece: nothing was tested"
+        inside = [a for _, a in takers if r.address <= a < r.address + 16 * G]
+        assert inside == [], f"mappings made meanwhile landed in the reservation at {inside}"
+        assert set(b.view(r, 4 * G, (2 * G,), "uint8").unique().tolist()) == {5}
+        b.unmap(r, 4 * G, 2 * G)
+        b.release(page)
+        b.free(r)
+    for taker, _ in takers:
+        taker.close()
 
 
 def test_a_range_that_cannot_be_reserved_again_is_reported_and_retried(

@@ -129,7 +129,52 @@ RELEASE_PROBE_GRANULES = 32
 ADDRESS_ATTEMPTS = 10
 ADDRESS_RETRY_S = 0.001
 
+# Note [holes below the frontier]: Linux puts a mapping made without an address into the
+# highest free gap below its mmap base that fits (top-down). A hip reservation made that
+# way lands at the low end of everything mapped so far, the frontier, so a piece the
+# release workaround frees inside it is a gap above the big free space below the
+# frontier: the highest gap that fits, which the next small mapping of any thread takes.
+# Python's object arenas (1 MiB each, alive as long as one object in them is) are the
+# usual taker: on the host stand-in, a freed 4 MiB piece was found as an rw-p anonymous
+# mapping in /proc/self/maps while a thread was making objects; the conformance suite's
+# threaded test failed that way in a fresh-clone CI run (2026-12-04); and a thread
+# making 1 MiB mappings beside maps and unmaps made 43 of 1,216 maps fail
+# (benchmarks/rocm_piece_takers.py). Retrying cannot help a taker that stays. So, with the
+# workaround on, reservations are asked for at low addresses instead, from
+# LOW_PLACEMENT_START upwards (16 TiB; on x86-64 Linux places the executable near 85 TiB
+# and maps downwards from near 128 TiB), where a freed piece lies below that free space
+# and is taken only once nothing above fits. ROCr grants a free requested range
+# (libhsakmt maps it with MAP_FIXED_NOREPLACE; the GPU's VM range spans the 47-bit user
+# space, so the range is valid for the GPU too); a range not granted is kept wherever
+# the runtime put it, correct but unprotected, and a cursor past LOW_PLACEMENT_END stops
+# asking.
+LOW_PLACEMENT_START = 1 << 44
+LOW_PLACEMENT_END = 1 << 46
+
 Span = tuple[int, int]  # (address, nbytes)
+
+
+class _LowPlacement:
+    """Where the next reservation under the release workaround is asked for (Note
+    [holes below the frontier]); one per process, shared by every backend."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cursor = LOW_PLACEMENT_START
+
+    def claim(self, nbytes: int, alignment: int) -> int | None:
+        """The next free-looking low address for `nbytes`, or None past the low region.
+        The range is claimed whether or not the runtime grants it: one that is not
+        granted has something in it, which the next claim steps over."""
+        with self._lock:
+            start = -(-self._cursor // alignment) * alignment
+            if start + nbytes > LOW_PLACEMENT_END:
+                return None
+            self._cursor = start + nbytes
+            return start
+
+
+_LOW_PLACEMENT = _LowPlacement()
 
 
 class _Pieces:
@@ -371,7 +416,11 @@ class RocmBackend(Backend):
     # ------------------------------------------------------------ primitives
     def _reserve(self, nbytes: int) -> int:
         with self._va_lock:
-            pointer = self._call("hipMemAddressReserve", nbytes, self._granularity, None, 0)
+            # Note [holes below the frontier]: only the workaround frees pieces inside
+            hint = None
+            if self._release_workaround:
+                hint = _LOW_PLACEMENT.claim(nbytes, self._granularity)
+            pointer = self._call("hipMemAddressReserve", nbytes, self._granularity, hint, 0)
         start: int = bindings.address(pointer)
         self._register(start, nbytes)
         return start
