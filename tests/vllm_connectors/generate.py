@@ -168,6 +168,16 @@ def _watch_offload(corrupt: bool) -> dict[str, list[int]]:
     return seen
 
 
+#: what LMCache's GPU connector computes its kernels' addresses from
+ENGINE_LAYOUT_FIELDS = (
+    "engine_kv_format",
+    "num_blocks",
+    "block_size",
+    "page_buffer_size",
+    "head_size",
+)
+
+
 def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     """LMCache's counterpart of `_watch_offload`: record the blocks its worker stores
     from at a step's end (and those kvcached did not hold) and the blocks each retrieval
@@ -254,9 +264,32 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                 kv.index_copy_(axis, index, rows.roll(1, dims=axis))
             seen["corrupted"] += blocks
 
+    def record_layout(self) -> None:  # type: ignore[no-untyped-def]
+        """What LMCache's GPU connector made of the KV tensors, once: its kernels
+        compute addresses from the format it discovers and from num_blocks * block_size
+        in 32-bit ints, not from the tensors' strides, so a view that differs from
+        vLLM-alone's in any of these would explain a wrong retrieval."""
+        if "lmcache_layout" in seen:
+            return
+        try:
+            kv = next(iter(self._lmcache_engine.kv_caches.values()))
+            gpu = self._lmcache_engine.lmcache_engine.gpu_connector
+            seen["lmcache_layout"] = {  # type: ignore[assignment]
+                "layers": len(self._lmcache_engine.kv_caches),
+                "shape": list(kv.shape),
+                "stride": list(kv.stride()),
+                "dtype": str(kv.dtype),
+                "storage_bytes": int(kv.untyped_storage().nbytes()),
+                "connector": type(gpu).__name__,
+                **{name: repr(getattr(gpu, name, None)) for name in ENGINE_LAYOUT_FIELDS},
+            }
+        except Exception as exc:  # a diagnostic: recorded, never fatal
+            check_errors.append(f"layout: {exc!r}"[:300])
+
     def wait_for_save(self):  # type: ignore[no-untyped-def]
         from kvcached.engines.vllm import instance
 
+        record_layout(self)
         blocks: set[int] = set()
         for request in self._get_connector_metadata().requests:
             spec = request.save_spec
