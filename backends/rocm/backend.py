@@ -124,8 +124,9 @@ RELEASE_PROBE_GRANULES = 32
 # One taker is not short-lived: a thread started in that moment, whose 8 MiB stack was
 # seen placed over a freed 4 MiB piece (the conformance suite's threaded test, host
 # stand-in, 2026-12-02). That piece stays unreserved for the thread's life, and maps
-# there fail with the DriverError; a process that starts threads while a cache grows or
-# shrinks under the workaround can lose that much of a reservation.
+# there fail with the DriverError. Takers that stay are what Note [holes below the
+# frontier] keeps out: since reservations lie low, a freed piece is no longer where
+# Linux puts the next mapping.
 ADDRESS_ATTEMPTS = 10
 ADDRESS_RETRY_S = 0.001
 
