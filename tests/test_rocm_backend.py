@@ -425,6 +425,30 @@ def test_a_mapping_made_while_a_piece_is_free_lands_outside_the_reservation(
         taker.close()
 
 
+def test_a_runtime_that_refuses_the_low_address_gets_the_reservation_unasked(
+    device: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with backend_on(monkeypatch, bug_release="1") as b:
+        call, asked = b._call, []
+
+        def refuses_addresses(name: str, *args: Any) -> Any:
+            if name == "hipMemAddressReserve" and len(asked) == 0:
+                asked.append(args[2])
+                raise DriverError(name, 1, "hipErrorInvalidValue", "no such address here")
+            return call(name, *args)
+
+        monkeypatch.setattr(b, "_call", refuses_addresses)
+        r = b.reserve(4 * G)
+        assert asked and asked[0] is not None, "the workaround asked for no address"
+        page = b.create(2 * G)
+        b.map(r, 0, page)
+        b.view(r, 0, (2 * G,), "uint8").fill_(4)
+        assert set(b.view(r, 0, (2 * G,), "uint8").unique().tolist()) == {4}
+        b.unmap(r, 0, 2 * G)
+        b.release(page)
+        b.free(r)
+
+
 def test_a_range_that_cannot_be_reserved_again_is_reported_and_retried(
     device: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

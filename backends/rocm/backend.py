@@ -147,8 +147,8 @@ ADDRESS_RETRY_S = 0.001
 # and is taken only once nothing above fits. ROCr grants a free requested range
 # (libhsakmt maps it with MAP_FIXED_NOREPLACE; the GPU's VM range spans the 47-bit user
 # space, so the range is valid for the GPU too); a range not granted is kept wherever
-# the runtime put it, correct but unprotected, and a cursor past LOW_PLACEMENT_END stops
-# asking.
+# the runtime put it, correct but unprotected (one refused outright is asked for again
+# without an address), and a cursor past LOW_PLACEMENT_END stops asking.
 LOW_PLACEMENT_START = 1 << 44
 LOW_PLACEMENT_END = 1 << 46
 
@@ -421,7 +421,14 @@ class RocmBackend(Backend):
             hint = None
             if self._release_workaround:
                 hint = _LOW_PLACEMENT.claim(nbytes, self._granularity)
-            pointer = self._call("hipMemAddressReserve", nbytes, self._granularity, hint, 0)
+            try:
+                pointer = self._call("hipMemAddressReserve", nbytes, self._granularity, hint, 0)
+            except KVCachedError:
+                if hint is None:
+                    raise
+                # a runtime that refuses the address instead of placing the range
+                # elsewhere: unasked, as without the workaround
+                pointer = self._call("hipMemAddressReserve", nbytes, self._granularity, None, 0)
         start: int = bindings.address(pointer)
         self._register(start, nbytes)
         return start
