@@ -576,6 +576,13 @@ def _ledger(files: dict[str, Rows]) -> list[str]:
     return _table(header, body)
 
 
+def _rocm_piece_takers(files: dict[str, Rows]) -> list[str]:
+    (rows,) = files.values()
+    body = [[r["summary"], r["runs"], r["maps"], r["failed_maps"], r["unmaps_warned"]]
+            for r in rows if "summary" in r]  # fmt: skip
+    return _table(["placement", "runs", "maps tried", "maps failed", "unmaps warned"], body)
+
+
 # -------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class Section:
@@ -618,6 +625,17 @@ SECTIONS = (
         "One process, a ledger of its own; each figure the median of 7 batches of the "
         "mean per call. A refused charge includes the scan for dead rows and one retry.",
         _ledger,
+    ),
+    Section(
+        "The ROCm release workaround's freed pieces vs. other threads' mappings",
+        "benchmarks/rocm_piece_takers.py",
+        ("cpu-2026-12-04/rocm_piece_takers.jsonl",),
+        "The host stand-in with its release bug on; a thread makes 1 MiB mappings beside "
+        "2-granule maps and unmaps, 15 s a run, the placements alternating. `frontier`: "
+        "reservations where the runtime puts them unasked (before 2026-12-04); `low`: from "
+        "16 TiB up (docs/backends/rocm.md). A failed map is a freed piece another mapping "
+        "kept.",
+        _rocm_piece_takers,
     ),
     Section(
         "Growing and shrinking KV capacity",
