@@ -51,6 +51,7 @@ def child(placement: str, seconds: float) -> None:
     backend = RocmBackend(release_workaround=True)
     page_bytes = 2 * backend.granularity
     reservation = backend.reserve(32 * page_bytes)
+    offsets = range(0, 32 * page_bytes, 2 * page_bytes)  # every other page's place
     stop = threading.Event()
     kept: list[mmap.mmap] = []
 
@@ -73,7 +74,7 @@ def child(placement: str, seconds: float) -> None:
         warnings.simplefilter("always")
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            for offset in range(0, 32 * page_bytes, 2 * page_bytes):
+            for offset in offsets:
                 page = backend.create(page_bytes)
                 try:
                     backend.map(reservation, offset, page)
@@ -90,7 +91,7 @@ def child(placement: str, seconds: float) -> None:
         placement=placement,
         seconds=seconds,
         rounds=rounds,
-        maps=rounds * 16,
+        maps=rounds * len(offsets),
         failed_maps=failed_maps,
         unmaps_warned=warned,
         reservation=hex(reservation.address),

@@ -265,15 +265,18 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             seen["corrupted"] += blocks
 
     def record_layout(self) -> None:  # type: ignore[no-untyped-def]
-        """What LMCache's GPU connector made of the KV tensors, once: its kernels
-        compute addresses from the format it discovers and from num_blocks * block_size
-        in 32-bit ints, not from the tensors' strides, so a view that differs from
-        vLLM-alone's in any of these would explain a wrong retrieval."""
+        """What LMCache's GPU connector made of the KV tensors, once it has looked at
+        them (its first transfer sets `page_buffer_size`): its kernels compute addresses
+        from the format it discovers and from num_blocks * block_size in 32-bit ints,
+        not from the tensors' strides, so a view that differs from vLLM-alone's in any
+        of these would explain a wrong retrieval. A failure is recorded in its place."""
         if "lmcache_layout" in seen:
             return
         try:
-            kv = next(iter(self._lmcache_engine.kv_caches.values()))
             gpu = self._lmcache_engine.lmcache_engine.gpu_connector
+            if getattr(gpu, "page_buffer_size", None) is None:
+                return  # no transfer yet: the connector has not discovered the layout
+            kv = next(iter(self._lmcache_engine.kv_caches.values()))
             seen["lmcache_layout"] = {  # type: ignore[assignment]
                 "layers": len(self._lmcache_engine.kv_caches),
                 "shape": list(kv.shape),
@@ -283,13 +286,12 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                 "connector": type(gpu).__name__,
                 **{name: repr(getattr(gpu, name, None)) for name in ENGINE_LAYOUT_FIELDS},
             }
-        except Exception as exc:  # a diagnostic: recorded, never fatal
-            check_errors.append(f"layout: {exc!r}"[:300])
+        except Exception as exc:  # a diagnostic: recorded once, never fatal
+            seen["lmcache_layout"] = {"error": repr(exc)[:300]}  # type: ignore[assignment]
 
     def wait_for_save(self):  # type: ignore[no-untyped-def]
         from kvcached.engines.vllm import instance
 
-        record_layout(self)
         blocks: set[int] = set()
         for request in self._get_connector_metadata().requests:
             spec = request.save_spec
@@ -308,7 +310,9 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
         found = instance.current()
         if found is not None:
             seen["stored_unheld"] += [b for b in blocks if not found.allocator.is_allocated(b)]
-        return save(self)
+        saved = save(self)
+        record_layout(self)  # after the store: its transfer is what sets the layout up
+        return saved
 
     LMCacheConnectorV1.get_block_ids_with_load_errors = get_block_ids_with_load_errors  # type: ignore[method-assign]
     LMCacheConnectorV1.start_load_kv = start_load_kv  # type: ignore[method-assign]
