@@ -135,6 +135,20 @@ class BackingBuffer(Closeable):
             raise InvalidArgument(f"{self.nbytes} bytes are not a whole number of {dtype}")
         return self.backend.view(self.reservation, 0, (self.nbytes // itemsize,), dtype)
 
+    def part(self, offset: int, nbytes: int) -> Any:
+        """A flat int8 tensor of its own over [offset, offset + nbytes) of the buffer.
+
+        Unlike a slice of `raw()`, its storage begins at `offset`, as a fresh
+        allocation's does: code that places views by absolute storage offsets
+        (`torch.as_strided(t, ..., storage_offset=k)` means `k` elements from the start
+        of `t`'s storage, not of `t`) sees only this part, not the buffer before it."""
+        self._check_open()
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise InvalidArgument(
+                f"part [{offset}, {offset + nbytes}) is outside the buffer's {self.nbytes} bytes"
+            )
+        return self.backend.view(self.reservation, offset, (nbytes,), "int8")
+
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgument("this backing buffer was closed")

@@ -93,3 +93,19 @@ def test_vllm_plugin_is_inert_and_imports_nothing_without_the_variable() -> None
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_part_is_a_tensor_of_its_own_starting_where_it_lies(backend) -> None:
+    # engines place views by absolute storage offsets (vLLM 0.26's Mamba state): a part
+    # must start its storage at its own first byte, as a fresh allocation does
+    block, blocks = 32 << 10, 8
+    with BackingBuffer(
+        backend, nbytes=2 * blocks * block, num_blocks=blocks, block_bytes=block,
+        segment_offsets=[0, blocks * block],
+    ) as buf:  # fmt: skip
+        part = buf.part(blocks * block, blocks * block)
+        assert part.storage_offset() == 0
+        assert part.data_ptr() == buf.raw("int8").data_ptr() + blocks * block
+        assert part.untyped_storage().nbytes() == blocks * block
+        with pytest.raises(InvalidArgument, match=r"outside the buffer's 524288 bytes"):
+            buf.part(blocks * block, blocks * block + 1)

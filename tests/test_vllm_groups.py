@@ -104,6 +104,69 @@ def test_overlaid_kv_cache_groups_map_each_layer_offset_once() -> None:
     assert geometry.calls == ((2 * blocks * page, 0),)
 
 
+def test_vllm_026s_per_tensor_buffers_keep_each_mamba_layers_state_apart() -> None:
+    # vLLM 0.26 (V1 runner) allocates one int8 buffer per KVCacheTensor and views a
+    # Mamba layer's conv and SSM state in it with torch.as_strided(storage_offset=...),
+    # an offset from the start of the buffer's *storage* (gpu_model_runner.py,
+    # `_reshape_kv_cache_tensors`). The stand-in's buffers must start their storage
+    # where they start, as torch.zeros results do; as slices of one tensor over the
+    # reservation, every layer's state landed in the first buffer (the H200's Qwen3.5
+    # row, 2026-12-04).
+    import torch
+
+    from kvcached.allocator import PageAllocator
+    from kvcached.backends.host import HostBackend
+    from kvcached.engines.vllm.allocation import _ZerosFromReservation, geometry_of
+
+    layers, blocks, page = 3, 8, 64 << 10
+    config = SimpleNamespace(
+        num_blocks=blocks,
+        kv_cache_tensors=[
+            SimpleNamespace(size=blocks * page, shared_by=[f"layers.{i}"], block_stride=0)
+            for i in range(layers)
+        ],
+    )
+    backend = HostBackend(granularity=page)
+    geometry = geometry_of(config, granularity=page)
+    assert len(geometry.calls) == layers  # the per-tensor form: one zeros call each
+    with geometry.backing(backend) as buf:
+        alloc = PageAllocator(buf.group, extent_bytes=page, pool_low=0, pool_high=0,
+                              background=False)  # fmt: skip
+        held = alloc.alloc(blocks)
+        assert held is not None and sorted(held) == list(range(blocks))  # all mapped
+        parts = [buf.part(offset, size) for size, offset in geometry.calls]
+        stand_in = _ZerosFromReservation(torch, parts, geometry.calls)
+        raws = [stand_in.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
+        assert stand_in.served == layers
+        conv_shape, ssm_shape = (4, 64), (16, 256)  # float32 elements per block
+        conv_bytes = 4 * conv_shape[0] * conv_shape[1]
+        states = []
+        for raw in raws:  # vLLM 0.26's Mamba branch, with its own offsets and strides
+            per_page = page // 4
+            conv = torch.as_strided(
+                raw.view(torch.float32),
+                (blocks, *conv_shape),
+                (per_page, conv_shape[1], 1),
+                storage_offset=0,
+            )
+            ssm = torch.as_strided(raw.view(torch.float32), (blocks, *ssm_shape),
+                                   (per_page, ssm_shape[1], 1),
+                                   storage_offset=conv_bytes // 4)  # fmt: skip
+            states.append((conv, ssm))
+        for layer, (conv, ssm) in enumerate(states):
+            conv.fill_(layer + 1)
+            ssm.fill_(10 * (layer + 1))
+        for layer, (conv, ssm) in enumerate(states):
+            assert conv.data_ptr() == raws[layer].data_ptr()
+            assert bool((conv == layer + 1).all()) and bool((ssm == 10 * (layer + 1)).all())
+        # the bytes are where the geometry says: layer l's block b at its call's offset
+        whole = buf.raw("float32")
+        for layer, (_, offset) in enumerate(geometry.calls):
+            assert float(whole[(offset + 3 * page) // 4]) == layer + 1
+        alloc.close()
+    backend.close()
+
+
 def test_unknown_architecture_is_an_error_listing_the_rows(tmp_path: Path) -> None:
     from kvcached.testing.random_arch import make_arch_model
 

@@ -28,15 +28,15 @@ log = logging.getLogger("sglang.kvcached")
 
 
 def _views(found: instance.SglangInstance, shapes: list[tuple[int, ...]], dtype: Any) -> list[Any]:
-    """One view per segment, in the given shapes (rows first), over the reservation."""
-    raw = found.backing.raw("uint8")
+    """One view per segment, in the given shapes (rows first), over the reservation: each a
+    tensor of its own whose storage begins where it does, as SGLang's own buffers' do
+    (`BackingBuffer.part`; a slice of one tensor would share the reservation's storage)."""
     segment_bytes = found.backing.group.num_blocks * found.backing.group.block_bytes
     geometry = found.geometry
     views = []
     for i, shape in enumerate(shapes):
-        start = i * segment_bytes
-        view = raw[start : start + geometry.rows * geometry.row_bytes].view(dtype)
-        views.append(view.view(*shape))
+        part = found.backing.part(i * segment_bytes, geometry.rows * geometry.row_bytes)
+        views.append(part.view(dtype).view(*shape))
     return views
 
 

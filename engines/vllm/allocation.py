@@ -4,7 +4,8 @@ vLLM allocates its KV cache as flat int8 buffers (`torch.zeros(size, dtype=int8)
 then views them per layer in the shape, dtype and strides its attention backend wants.
 The adapter keeps all of that vLLM's own code: it wraps the function that allocates,
 and while it runs, the function's `torch.zeros` of exactly the planned sizes returns
-zero-copy views of one kvcached reservation instead of fresh memory. Every other call
+zero-copy tensors over parts of one kvcached reservation instead of fresh memory, each
+with a storage of its own that begins where it does, as fresh memory's would. Every other call
 goes to torch. So shapes, strides and the layout (LBHNC on vLLM-CPU, blocks-first
 FlashAttention on the GPU) are vLLM's, addresses never move (kernels and CUDA graphs
 run unchanged), and physical pages come and go under the views as blocks are used.
@@ -105,11 +106,23 @@ def geometry_of(kv_cache_config: Any, granularity: int) -> Geometry:
 
 class _ZerosFromReservation:
     """Stands in for the `torch` module inside vLLM's allocating function: the planned
-    int8 `zeros` calls get views of the reservation, everything else is torch's."""
+    int8 `zeros` calls get their parts of the reservation, everything else is torch's.
 
-    def __init__(self, torch: Any, raw: Any, calls: Sequence[tuple[int, int]]) -> None:
+    Each part is a tensor of its own whose storage begins where the part does
+    (`BackingBuffer.part`), as a fresh `torch.zeros` result's does, not a slice of one
+    tensor over the whole reservation. vLLM 0.26 reads its buffers' *storage* in several
+    places, all of which assume that: it places a Mamba layer's state views with
+    `torch.as_strided(..., storage_offset=...)`, an offset from the start of the storage
+    (over slices every layer's state landed in the first buffer, and the H200's Qwen3.5
+    row gave other tokens than vLLM alone, benchmarks/results/h200-2026-12-04b); the
+    NixlConnector takes buffers that share one storage for a packed, block-interleaved
+    allocation; the OffloadingConnector asserts a Mamba layer's storage offset is 0; and
+    its block copies (`copy_kv_cache_blocks_inplace`) view each distinct storage as
+    (num_blocks, page) rows."""
+
+    def __init__(self, torch: Any, parts: Sequence[Any], calls: Sequence[tuple[int, int]]) -> None:
         self._torch = torch
-        self._raw = raw
+        self._parts = list(parts)
         self._calls = list(calls)
         self.served = 0
 
@@ -125,17 +138,17 @@ class _ZerosFromReservation:
             and isinstance(shape, int)
             and shape == self._calls[self.served][0]
         ):
-            size, offset = self._calls[self.served]
+            part = self._parts[self.served]
             self.served += 1
             device = torch.device(kwargs.get("device") or "cpu")
-            if device.type != self._raw.device.type or (
-                device.index is not None and device.index != self._raw.device.index
+            if device.type != part.device.type or (
+                device.index is not None and device.index != part.device.index
             ):
                 raise _refuse(
                     f"vLLM runs on {device} but the kvcached backend's memory is on "
-                    f"{self._raw.device} (KVCACHED_BACKEND)"
+                    f"{part.device} (KVCACHED_BACKEND)"
                 )
-            return self._raw[offset : offset + size]
+            return part
         return torch.zeros(*args, **kwargs)
 
 
@@ -158,7 +171,7 @@ def _serve(
     )
     backing = geometry.backing(backend)
     try:
-        raw = backing.raw("int8")
+        parts = [backing.part(offset, size) for size, offset in geometry.calls]
     except BaseException:
         backing.close()
         raise
@@ -172,7 +185,7 @@ def _serve(
     else:
         instance.start(backing, model=model)
     module_globals = original.__globals__
-    stand_in = _ZerosFromReservation(module_globals["torch"], raw, geometry.calls)
+    stand_in = _ZerosFromReservation(module_globals["torch"], parts, geometry.calls)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         module_globals["torch"] = stand_in

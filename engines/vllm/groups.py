@@ -36,7 +36,11 @@ inside the layer's buffer at ``b * block_stride`` like a KV block. A sequence th
 no state yet (a new one, or one whose prefix ends off a cached block) starts from
 zeros that vLLM writes, not from the block's bytes (0.32's CPU and GPU paths both zero
 it; the conv kernel takes `has_initial_state`), so a page mapped fresh, or reused,
-holds nothing the model reads. With prefix caching vLLM caches states at block
+holds nothing the model reads. vLLM 0.26 (one buffer per `KVCacheTensor`) places a
+layer's conv and SSM state views by offsets from the start of its buffer's storage, so
+each buffer the adapter hands it must be a tensor of its own (`allocation.py`); over
+slices of one tensor every layer's state fell into the first buffer, and the H200's
+Qwen3.5 row gave other tokens. With prefix caching vLLM caches states at block
 boundaries ("align" mode) and frees the others through the pool, so they are evicted
 and released like KV blocks.
 
