@@ -26,8 +26,9 @@ last, a tight instance limit with and without the tier (preemptions, cached toke
 `--trial lmcache` runs LMCache's connector the same way (lmcache 0.5.x, an 8 GiB CPU
 tier: reference, alone, kvcached, loaded blocks swapped); `--trial capacity` runs a batch
 that preempts (48 prompts of 1,024 tokens, 768 new, under a 2 GiB instance limit)
-without and with the OffloadingConnector's tier, then vLLM alone with a 2 GiB pool the
-same two ways: preemptions, the requests preempted, the blocks loaded back, the time.
+without and with the OffloadingConnector's tier, and `--trial capacity-alone` vLLM alone
+with a 2 GiB pool the same two ways (two trials: the four runs pass one device command's
+ten minutes): preemptions, the requests preempted, the blocks loaded back, the time.
 """
 
 from __future__ import annotations
@@ -154,18 +155,21 @@ def gpu_trial(
         return result
 
     if trial == "capacity":
-        # kvcached under a 2 GiB limit, then vLLM alone with a 2 GiB pool: whether the
-        # tier's effect on preemption is the connector's own or kvcached's (the cooling)
+        # kvcached under a 2 GiB limit (`capacity-alone`: vLLM alone with a 2 GiB pool,
+        # which says whether the tier's effect on preemption is the connector's own or
+        # kvcached's cooling)
         tight = {"KVCACHED_INSTANCE_LIMIT": "2GiB"}
-        pool = ("--kv-bytes", str(2 << 30))
         one("preempting, no tier", ("--connector", "none"), kvcached=True, env=tight,
             batch=PREEMPTING)  # fmt: skip
         one("preempting, OffloadingConnector tier", TRIAL, kvcached=True, env=tight,
             batch=PREEMPTING)  # fmt: skip
-        one("preempting, vLLM alone, no tier", ("--connector", "none", *pool), kvcached=False,
-            batch=PREEMPTING)  # fmt: skip
+        return
+    if trial == "capacity-alone":
+        pool = ("--kv-bytes", str(2 << 30))
         one("preempting, vLLM alone, OffloadingConnector tier", (*OFFLOAD, *pool),
             kvcached=False, batch=PREEMPTING)  # fmt: skip
+        one("preempting, vLLM alone, no tier", ("--connector", "none", *pool), kvcached=False,
+            batch=PREEMPTING)  # fmt: skip
         return
     one("reference", ("--connector", "none", "--reset-between"), kvcached=False)
     if trial == "lmcache":
@@ -194,7 +198,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--model", type=Path, default=None, help="default: a tiny random Qwen3")
-    ap.add_argument("--trial", choices=("offloading", "lmcache", "capacity"),
+    ap.add_argument("--trial", choices=("offloading", "lmcache", "capacity", "capacity-alone"),
                     default="offloading", help="--device gpu: which trial")  # fmt: skip
     a = ap.parse_args()
     import vllm

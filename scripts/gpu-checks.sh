@@ -18,7 +18,8 @@ rm -rf "$repo/build" "$repo"/*.egg-info
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp  # never import the source tree: the installed package has the full layout
 status=0
-run() { echo "=== $*"; "$@" || { echo "=== FAILED ($?): $*"; status=1; }; }
+# banners go to stderr: a step's stdout may be the JSON lines its tee keeps
+run() { echo "=== $*" >&2; "$@" || { echo "=== FAILED ($?): $*" >&2; status=1; }; }
 pytest_gpu() { python3 -P -m pytest -q -p no:cacheprovider -rfEs "$@"; }
 for step in "${@:-all}"; do
     case $step in

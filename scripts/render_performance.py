@@ -611,6 +611,14 @@ SECTIONS = (
         _vmm_ops,
     ),
     Section(
+        "VMM operations through the ROCm backend (CUDA-forwarding stand-in, 2026-12-04)",
+        "bash scripts/gpu-checks.sh rocm",
+        ("h200-2026-12-04b/vmm_ops_rocm.jsonl",),
+        "The same stand-in after the release workaround's low placement (which is off here: "
+        "the stand-in has no release bug unless asked): a rerun of the section above.",
+        _vmm_ops,
+    ),
+    Section(
         "The page allocator's fast path",
         "benchmarks/allocator.py",
         ("cpu-2026-12-02/allocator.jsonl",),
@@ -635,6 +643,17 @@ SECTIONS = (
         "reservations where the runtime puts them unasked (before 2026-12-04); `low`: from "
         "16 TiB up (docs/backends/rocm.md). A failed map is a freed piece another mapping "
         "kept.",
+        _rocm_piece_takers,
+    ),
+    Section(
+        "The ROCm release workaround's freed pieces, through CUDA (H200)",
+        "benchmarks/rocm_piece_takers.py",
+        ("h200-2026-12-04b/rocm_piece_takers_cuda.jsonl",),
+        "The CUDA-forwarding stand-in with its release bug on, one 8 s run per placement: "
+        "the low placement was granted (16 TiB) and no 1 MiB mapping can land there, yet "
+        "as many maps failed as at CUDA's own placement. So these failures are not "
+        "another thread's mappings but the driver's re-reservation of a freed piece; what "
+        "CUDA does there (and whether ROCm does the same) is not yet known.",
         _rocm_piece_takers,
     ),
     Section(
@@ -899,15 +918,39 @@ SECTIONS = (
         _vllm_connectors_gpu,
     ),
     Section(
+        "LMCache's connector with kvcached (H200, second run)",
+        "benchmarks/vllm_connectors.py",
+        ("h200-2026-12-04b/vllm_connectors_gpu_lmcache.jsonl",),
+        "The same trial on a fresh machine, a session later: the same token hashes as the "
+        "first run in every row. LMCache alone's second round also differs from vLLM "
+        "without a connector, and the bytes it loaded differ from those it stored in all "
+        "1,024 blocks, with and without kvcached, so that byte check cannot tell kvcached's "
+        "part; the connector's layout record was not written (it waited for a field the "
+        "store had not set yet; it is now written after every store and load).",
+        _vllm_connectors_gpu,
+    ),
+    Section(
         "A CPU tier under preemption (H200)",
         "benchmarks/vllm_connectors.py",
         ("h200-2026-12-04/vllm_connectors_gpu_capacity.jsonl",),
         "vLLM 0.26, `--device gpu --trial capacity`: 48 prompts of 1,024 tokens and 768 "
         "greedy tokens each under a 2 GiB kvcached limit, without and with the "
         "OffloadingConnector's 8 GiB tier, one run each. The tier raised preemptions here; "
-        "vLLM alone with a 2 GiB pool, which would say whether kvcached's cooling or the "
-        "connector causes it, has not run yet, nor has the cooling as changed since (vLLM "
-        "may now reuse a cooling block).",
+        "the run below repeats it with the cooling as changed since (vLLM may reuse a "
+        "cooling block) and adds vLLM alone with a 2 GiB pool.",
+        _vllm_connectors_gpu,
+    ),
+    Section(
+        "A CPU tier under preemption (H200, second run)",
+        "benchmarks/vllm_connectors.py",
+        ("h200-2026-12-04b/vllm_connectors_gpu_capacity.jsonl",),
+        "The same batch a session later, with vLLM allowed to reuse a cooling block. "
+        "Without the tier kvcached under its 2 GiB limit preempted exactly as often as vLLM "
+        "alone with a 2 GiB pool (24 preemptions of 16 requests); with the tier it "
+        "preempted more (166), as in the first run. The fourth run, vLLM alone with the "
+        "tier, which says whether that is the connector's own doing, did not finish in the "
+        "command's time (`--trial capacity-alone` now runs it on its own). One run each, "
+        "bf16 under preemption: the token hashes are not compared.",
         _vllm_connectors_gpu,
     ),
     Section(

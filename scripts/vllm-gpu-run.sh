@@ -38,7 +38,9 @@
 #              swapped, stores of unheld blocks, a tight limit; lmcache: the same with
 #              LMCacheConnectorV1 (needs .whl-lmcache carried by this or an earlier
 #              command); capacity: a preempting batch under a tight limit, with and
-#              without the OffloadingConnector's tier
+#              without the OffloadingConnector's tier; capacity-alone: the same batch on
+#              vLLM alone with a pool of the limit's size (one trial per command: each
+#              takes about 4 min)
 #   pd         benchmarks/vllm_pd.py --device gpu on /tmp/m-q06: a prefill/decode pair with
 #              the NixlConnector (kv_buffer_device=cpu), plain and under kvcached (issue 21),
 #              PD_ROUNDS (16) alternating rounds of PD_BATCH (16) prompts of PD_PROMPT_LEN

@@ -246,6 +246,7 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
         seen["loaded"] += blocks
         if blocks:
             torch.cuda.synchronize()  # the retrieval has landed
+            record_layout(self)
         if checked:
             try:  # a diagnostic: its failure is recorded, and the run goes on
                 now = block_sums(self, [block for _, block in checked])
@@ -265,17 +266,17 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             seen["corrupted"] += blocks
 
     def record_layout(self) -> None:  # type: ignore[no-untyped-def]
-        """What LMCache's GPU connector made of the KV tensors, once it has looked at
-        them (its first transfer sets `page_buffer_size`): its kernels compute addresses
-        from the format it discovers and from num_blocks * block_size in 32-bit ints,
-        not from the tensors' strides, so a view that differs from vLLM-alone's in any
-        of these would explain a wrong retrieval. A failure is recorded in its place."""
-        if "lmcache_layout" in seen:
-            return
+        """What LMCache's GPU connector made of the KV tensors, after a store or a load
+        (its first transfer sets `page_buffer_size`; the H200 run of 2026-12-04 recorded
+        nothing while this waited for it after the first store): its kernels compute
+        addresses from the format it discovers and from num_blocks * block_size in 32-bit
+        ints, not from the tensors' strides, so a view that differs from vLLM-alone's in
+        any of these would explain a wrong retrieval. A failure is recorded in its place
+        (and replaced by the next call's record)."""
+        if seen.get("lmcache_layout", {}).get("page_buffer_size", "None") != "None":
+            return  # recorded with the layout set up (until then, recorded again)
         try:
             gpu = self._lmcache_engine.lmcache_engine.gpu_connector
-            if getattr(gpu, "page_buffer_size", None) is None:
-                return  # no transfer yet: the connector has not discovered the layout
             kv = next(iter(self._lmcache_engine.kv_caches.values()))
             seen["lmcache_layout"] = {  # type: ignore[assignment]
                 "layers": len(self._lmcache_engine.kv_caches),
@@ -311,7 +312,8 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
         if found is not None:
             seen["stored_unheld"] += [b for b in blocks if not found.allocator.is_allocated(b)]
         saved = save(self)
-        record_layout(self)  # after the store: its transfer is what sets the layout up
+        if blocks:  # after a store: its transfer is what sets the layout up (the fields a
+            record_layout(self)  # connector class lacks are recorded as None)
         return saved
 
     LMCacheConnectorV1.get_block_ids_with_load_errors = get_block_ids_with_load_errors  # type: ignore[method-assign]
