@@ -138,6 +138,10 @@ def test_vllm_026s_per_tensor_buffers_keep_each_mamba_layers_state_apart() -> No
         stand_in = _ZerosFromReservation(torch, parts, geometry.calls)
         raws = [stand_in.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
         assert stand_in.served == layers
+        # a storage per buffer: vLLM 0.26's NIXL takes buffers of one storage for a packed
+        # cache (Note [NIXL's packed path skips the host buffer])
+        assert len({raw.untyped_storage().data_ptr() for raw in raws}) == layers
+        assert all(raw.untyped_storage().nbytes() == blocks * page for raw in raws)
         conv_shape, ssm_shape = (4, 64), (16, 256)  # float32 elements per block
         conv_bytes = 4 * conv_shape[0] * conv_shape[1]
         states = []

@@ -144,32 +144,3 @@ def test_nixl_is_served_with_a_host_buffer_and_refused_with_a_device_buffer() ->
     assert "kv_buffer_device='cpu' is served" in str(connectors.refusal(device, "0.26"))
     push = SimpleNamespace(**{**host.__dict__, "kv_connector": "NixlPushConnector"})
     assert "NixlPushConnector is not supported yet" in str(connectors.refusal(push, "0.32"))
-
-
-def test_nixl_on_vllm_026_gets_a_storage_per_layer_when_it_stages_through_the_host() -> None:
-    # Note [NIXL's packed path skips the host buffer]: views of one storage (as kvcached's
-    # layers are) would send vLLM 0.26's NIXL down its packed path, which registers the
-    # device storage and ignores the host buffer
-    import torch
-
-    reservation = torch.zeros(2, 6, 3, 4)
-    layers = {f"layer.{i}": reservation[:, :, i] for i in range(3)}
-    seen: list[dict[str, torch.Tensor]] = []
-
-    def register(self: object, kv_caches: dict[str, torch.Tensor]) -> None:
-        seen.append(kv_caches)
-
-    wrapped = connectors.registers_layers_apart(register)
-    wrapped(SimpleNamespace(use_host_buffer=True), layers)
-    handed = seen[-1]
-    assert len({t.untyped_storage().data_ptr() for t in handed.values()}) == 3
-    for name, view in layers.items():  # the same memory, shape and strides
-        alias = handed[name]
-        assert (alias.data_ptr(), alias.shape, alias.stride()) == (
-            view.data_ptr(), view.shape, view.stride()
-        )  # fmt: skip
-    handed["layer.1"][1, 4] = 7.0  # a write through the alias lands in the reservation
-    assert float(reservation[1, 4, 1].sum()) == 7.0 * 4
-    # without the host buffer (device registration, or vLLM-CPU) NIXL gets vLLM's views
-    wrapped(SimpleNamespace(use_host_buffer=False), layers)
-    assert seen[-1] is layers

@@ -235,38 +235,18 @@ def checks_mapped_blocks(original: Callable[..., Any], what: str) -> Callable[..
     return transfer
 
 
-def registers_layers_apart(original: Callable[..., Any]) -> Callable[..., Any]:
-    """`NixlBaseConnectorWorker.register_kv_caches` (vLLM 0.26): with a host buffer, each
-    layer's view reaches NIXL as a tensor of its own storage (Note [NIXL's packed path
-    skips the host buffer])."""
-
-    @functools.wraps(original)
-    def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> Any:
-        from torch.utils.dlpack import from_dlpack
-
-        views = list(kv_caches.values())
-        shared = len({v.untyped_storage().data_ptr() for v in views}) == 1
-        if getattr(self, "use_host_buffer", False) and len(views) > 1 and shared:
-            # the same memory, shape and strides; a storage per layer (DLPack keeps the
-            # view alive)
-            kv_caches = {name: from_dlpack(view) for name, view in kv_caches.items()}
-        return original(self, kv_caches)
-
-    return register_kv_caches
-
-
 # Note [NIXL's packed path skips the host buffer]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # vLLM 0.26's NIXL worker takes its "packed KV cache" path when every layer's tensor is a
 # view of one storage (meant for caches that interleave all layers per block), and that
-# path registers the device storage itself, ignoring kv_buffer_device="cpu". kvcached's
-# layer views are views of one reservation, so on the H200 NIXL registered kvcached's
-# 17 GB device range as host memory ("Registering packed KV cache: total_size=
+# path registers the device storage itself, ignoring kv_buffer_device="cpu". When
+# kvcached's layer buffers were slices of one reservation, NIXL on the H200 registered
+# kvcached's 17 GB device range as host memory ("Registering packed KV cache: total_size=
 # 17146314752"), and the producer died at the consumer's first read: UCX "mem type pack
 # failed to uct_ep_get_short()" after "cuda_copy_ep.c: cuMemcpyAsync(...) failed: invalid
-# argument". Plain vLLM allocates a tensor per layer and stages through its host buffer.
-# Handed a storage per layer, NIXL under kvcached takes that same path. vLLM 0.32 checks
-# the host buffer first, so the shim is for 0.26 only.
+# argument". A shim then handed NIXL a storage per layer. Since each buffer is a storage of
+# its own, as plain vLLM's are (allocation.py, `_ZerosFromReservation`), NIXL takes plain
+# vLLM's path with no shim; `tests/test_vllm_groups.py` checks the storages are apart.
 
 
 #: scheduler steps a freed block stays mapped once a connector that copies freed blocks

@@ -145,12 +145,6 @@ def _cooling(original: Any) -> Any:
     return cools_freed_blocks(original)
 
 
-def _nixl_registration(original: Any) -> Any:
-    from kvcached.engines.vllm.connectors import registers_layers_apart
-
-    return registers_layers_apart(original)
-
-
 _EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 _OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -327,13 +321,6 @@ SHIMS: tuple[Shim, ...] = (
         f"{_LMCACHE}:LMCacheConnectorV1.wait_for_save",
         ("0.26",),
         _connector("wait_for_save"),
-        used_in="connectors.py",
-    ),
-    Shim(
-        "NIXL stages through its host buffer: a storage per layer view",
-        f"{_NIXL}.base_worker:NixlBaseConnectorWorker.register_kv_caches",
-        ("0.26",),
-        _nixl_registration,
         used_in="connectors.py",
     ),
     Shim(
@@ -633,13 +620,6 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_NIXL}.metadata:ReqMeta.local_block_ids",
         ),
         _BOTH,
-    ),
-    Contact(
-        "NIXL stages through its host buffer: a storage per layer view",
-        f"{_NIXL}.base_worker:NixlBaseConnectorWorker.use_host_buffer",
-        ("0.26",),
-        "reads",
-        "connectors.py",
     ),
     Contact(
         "NIXL is served staging through host memory only",
