@@ -532,3 +532,30 @@ def test_the_test_plugin_corrupts_the_held_kv_once_and_records_it(
         assert corrupt_plugin.maybe_corrupt() == 0  # once only
     finally:
         found.close()
+
+
+def test_each_kv_buffer_sglang_gets_is_a_storage_of_its_own() -> None:
+    # as SGLang's own torch.zeros buffers are: an engine or connector that reads a
+    # buffer's storage (its offset, its size, its address) must see that buffer only
+    import torch
+
+    from kvcached.backing import BackingBuffer
+    from kvcached.engines.sglang.buffers import _views
+
+    granule, blocks, layers = 64 << 10, 4, 3
+    backend = HostBackend(granularity=granule)
+    segment = blocks * granule
+    with BackingBuffer(
+        backend, nbytes=layers * segment, num_blocks=blocks, block_bytes=granule,
+        segment_offsets=[i * segment for i in range(layers)],
+    ) as backing:  # fmt: skip
+        rows, row_bytes = 1000, 256  # 1000 token slots of 8 heads x 16 bf16 values
+        geometry = SimpleNamespace(rows=rows, row_bytes=row_bytes)
+        found = SimpleNamespace(backing=backing, geometry=geometry)
+        views = _views(found, [(rows, 8, 16)] * layers, torch.bfloat16)  # type: ignore[arg-type]
+        base = backing.raw("int8").data_ptr()
+        assert [v.data_ptr() - base for v in views] == [i * segment for i in range(layers)]
+        assert all(v.storage_offset() == 0 for v in views)
+        assert len({v.untyped_storage().data_ptr() for v in views}) == layers
+        assert all(v.untyped_storage().nbytes() == rows * row_bytes for v in views)
+    backend.close()
