@@ -135,7 +135,7 @@ def test_vllm_026s_per_tensor_buffers_keep_each_mamba_layers_state_apart() -> No
         held = alloc.alloc(blocks)
         assert held is not None and sorted(held) == list(range(blocks))  # all mapped
         parts = [buf.part(offset, size) for size, offset in geometry.calls]
-        stand_in = _ZerosFromReservation(torch, parts, geometry.calls)
+        stand_in = _ZerosFromReservation(torch, parts)
         raws = [stand_in.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
         assert stand_in.served == layers
         # a storage per buffer: vLLM 0.26's NIXL takes buffers of one storage for a packed

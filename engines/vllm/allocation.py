@@ -4,11 +4,12 @@ vLLM allocates its KV cache as flat int8 buffers (`torch.zeros(size, dtype=int8)
 then views them per layer in the shape, dtype and strides its attention backend wants.
 The adapter keeps all of that vLLM's own code: it wraps the function that allocates,
 and while it runs, the function's `torch.zeros` of exactly the planned sizes returns
-zero-copy tensors over parts of one kvcached reservation instead of fresh memory, each
-with a storage of its own that begins where it does, as fresh memory's would. Every other call
-goes to torch. So shapes, strides and the layout (LBHNC on vLLM-CPU, blocks-first
-FlashAttention on the GPU) are vLLM's, addresses never move (kernels and CUDA graphs
-run unchanged), and physical pages come and go under the views as blocks are used.
+zero-copy tensors over parts of one kvcached reservation instead of fresh memory,
+each with a storage of its own that begins where it does, as fresh memory's would.
+Every other call goes to torch. So shapes, strides and the layout (LBHNC on vLLM-CPU,
+blocks-first FlashAttention on the GPU) are vLLM's, addresses never move (kernels and
+CUDA graphs run unchanged), and physical pages come and go under the views as blocks
+are used.
 
 Where the blocks are. Block `b` of every layer's page lies at a fixed stride
 (`KVCacheTensor` says where): one run of blocks per layer in layer-outermost buffers,
@@ -120,10 +121,9 @@ class _ZerosFromReservation:
     its block copies (`copy_kv_cache_blocks_inplace`) view each distinct storage as
     (num_blocks, page) rows."""
 
-    def __init__(self, torch: Any, parts: Sequence[Any], calls: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, torch: Any, parts: Sequence[Any]) -> None:
         self._torch = torch
-        self._parts = list(parts)
-        self._calls = list(calls)
+        self._parts = list(parts)  # flat int8, one per planned call, in the calls' order
         self.served = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -133,10 +133,10 @@ class _ZerosFromReservation:
         torch = self._torch
         shape = args[0] if len(args) == 1 else args
         if (
-            self.served < len(self._calls)
+            self.served < len(self._parts)
             and kwargs.get("dtype") is torch.int8
             and isinstance(shape, int)
-            and shape == self._calls[self.served][0]
+            and shape == self._parts[self.served].numel()
         ):
             part = self._parts[self.served]
             self.served += 1
@@ -185,7 +185,7 @@ def _serve(
     else:
         instance.start(backing, model=model)
     module_globals = original.__globals__
-    stand_in = _ZerosFromReservation(module_globals["torch"], parts, geometry.calls)
+    stand_in = _ZerosFromReservation(module_globals["torch"], parts)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         module_globals["torch"] = stand_in

@@ -228,12 +228,12 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     # checksum of its KV over every layer when stored (`block_checksums`), keyed by the
     # prompt (its first tokens) and the block's place in it, against the same checksum
     # once the retrieval has landed
-    stored_sums: dict[tuple[tuple[int, ...], int], int] = {}
+    stored_checksums: dict[tuple[tuple[int, ...], int], int] = {}
     check_errors: list[str] = []
     seen["check_errors"] = check_errors  # type: ignore[assignment]
     seen["loaded_bytes_equal"], seen["loaded_bytes_differ"] = [], []
 
-    def block_sums(self, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    def checksums_of(self, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
         return block_checksums(list(self._lmcache_engine.kv_caches.values()), ids)
 
     def whole_blocks(self, request, first: int, end: int):  # type: ignore[no-untyped-def]
@@ -264,13 +264,13 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             record_layout(self)
         if checked:
             try:  # a diagnostic: its failure is recorded, and the run goes on
-                now = block_sums(self, [block for _, block in checked])
+                now = checksums_of(self, [block for _, block in checked])
             except Exception as exc:
                 check_errors.append(repr(exc)[:300])
                 now = []
             for (key, block), value in zip(checked, now, strict=False):
-                if key in stored_sums:
-                    same = stored_sums[key] == value
+                if key in stored_checksums:
+                    same = stored_checksums[key] == value
                     seen["loaded_bytes_equal" if same else "loaded_bytes_differ"].append(block)
         if corrupt and len(blocks) > 1:
             for kv in self._lmcache_engine.kv_caches.values():
@@ -302,7 +302,7 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                 "connector": type(gpu).__name__,
                 **{name: repr(getattr(gpu, name, None)) for name in ENGINE_LAYOUT_FIELDS},
             }
-        except Exception as exc:  # a diagnostic: recorded once, never fatal
+        except Exception as exc:  # a diagnostic: recorded, never fatal
             seen["lmcache_layout"] = {"error": repr(exc)[:300]}  # type: ignore[assignment]
 
     def wait_for_save(self):  # type: ignore[no-untyped-def]
@@ -316,12 +316,12 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             blocks.update(int(slot) // block_size(self) for slot in request.slot_mapping.tolist())
             try:
                 pairs = whole_blocks(self, request, 0, len(request.slot_mapping))
-                sums = block_sums(self, [b for _, b in pairs])
+                sums = checksums_of(self, [b for _, b in pairs])
             except Exception as exc:
                 check_errors.append(repr(exc)[:300])
                 continue
             for (key, _), value in zip(pairs, sums, strict=True):
-                stored_sums.setdefault(key, value)  # the first store of a block counts
+                stored_checksums.setdefault(key, value)  # the first store of a block counts
         seen["stored"] += sorted(blocks)
         found = instance.current()
         if found is not None:
