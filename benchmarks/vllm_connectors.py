@@ -140,7 +140,7 @@ def gpu_trial(
             batch: tuple[str, ...] = GPU_BATCH) -> dict[str, Any]:  # fmt: skip
         result = run(model, ledger, args, env or {}, kvcached=kvcached, batch=batch, backend=None)
         for key in ("stored", "loaded", "corrupted", "load_errors", "loaded_bytes_equal",
-                    "loaded_bytes_differ"):  # fmt: skip
+                    "loaded_bytes_differ", "loaded_bytes_unwritten"):  # fmt: skip
             if key in result:
                 result[key] = len(result[key])
         runs = result.get("runs")

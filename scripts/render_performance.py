@@ -930,6 +930,21 @@ SECTIONS = (
         _vllm_connectors_gpu,
     ),
     Section(
+        "LMCache's connector with kvcached (H200, third run)",
+        "benchmarks/vllm_connectors.py",
+        ("h200-2026-12-04c/vllm_connectors_gpu_lmcache.jsonl",),
+        "The same trial once more, with each of kvcached's KV buffers a storage of its "
+        "own (commit fd02e08): the same token hashes as both earlier runs in every row, "
+        "so the buffers' storage was not what set kvcached's second round apart. The "
+        "loaded-bytes check is now an exact integer checksum per block, and it still finds "
+        "all 1,024 loaded blocks different from what was stored, for LMCache alone as much "
+        "as under kvcached. The layout record was lost again, to a fault of the trial's "
+        "own (it was added to the results after they had been copied); it now fills a "
+        "record made before the run, beside a count of loaded blocks the retrieval left "
+        "unwritten.",
+        _vllm_connectors_gpu,
+    ),
+    Section(
         "A CPU tier under preemption (H200)",
         "benchmarks/vllm_connectors.py",
         ("h200-2026-12-04/vllm_connectors_gpu_capacity.jsonl",),
@@ -954,6 +969,17 @@ SECTIONS = (
         _vllm_connectors_gpu,
     ),
     Section(
+        "A CPU tier under preemption: vLLM alone (H200)",
+        "benchmarks/vllm_connectors.py",
+        ("h200-2026-12-04c/vllm_connectors_gpu_capacity-alone.jsonl",),
+        "`--trial capacity-alone`: the same preempting batch on vLLM alone with a 2 GiB "
+        "pool, with the OffloadingConnector's 8 GiB tier and without. The tier raised "
+        "vLLM alone's preemptions as it raised kvcached's (219 of 42 requests against 24 of "
+        "16), so that rise is the connector's own doing, not kvcached's. One run each, "
+        "bf16 under preemption: the token hashes are not compared.",
+        _vllm_connectors_gpu,
+    ),
+    Section(
         "Prefill/decode disaggregation with NIXL (H200)",
         "benchmarks/vllm_pd.py",
         ("h200-2026-12-03/vllm_pd.jsonl", "h200-2026-12-03/vllm_pd_summary.jsonl"),
@@ -967,6 +993,19 @@ SECTIONS = (
         "--summarize` of the rounds. Ratios read as kvcached's speed over plain's. Held: "
         "kvcached's mapped bytes; the plain engines' torch-allocated bytes (weights and "
         "the fixed pool).",
+        _vllm_pd,
+    ),
+    Section(
+        "Prefill/decode disaggregation with NIXL (H200, second run)",
+        "benchmarks/vllm_pd.py",
+        ("h200-2026-12-04c/vllm_pd.jsonl", "h200-2026-12-04c/vllm_pd_summary.jsonl"),
+        "The same run with each of kvcached's KV buffers a storage of its own and no NIXL "
+        "shim (NIXL takes plain vLLM's path). The checks passed on both pairs (the "
+        "kvcached pair's tokens equal the plain pair's; the swapped blocks, all held by "
+        "kvcached, changed the tokens). The time limit stopped the run after 15 of 16 "
+        "rounds. 14 rounds gave the same tokens through both pairs; round 14 did not, and "
+        "the run did not say whether the plain pair repeats itself on that batch (the "
+        "benchmark now sends such a round's batch through the plain pair again).",
         _vllm_pd,
     ),
     Section(

@@ -144,3 +144,24 @@ def test_nixl_is_served_with_a_host_buffer_and_refused_with_a_device_buffer() ->
     assert "kv_buffer_device='cpu' is served" in str(connectors.refusal(device, "0.26"))
     push = SimpleNamespace(**{**host.__dict__, "kv_connector": "NixlPushConnector"})
     assert "NixlPushConnector is not supported yet" in str(connectors.refusal(push, "0.32"))
+
+
+def test_the_pd_benchmark_names_a_differing_round_and_whether_plain_repeats_it() -> None:
+    # benchmarks/vllm_pd.py's summary: a round whose tokens differ between the pairs is
+    # named, with what the plain pair gave when the batch went through it again
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import vllm_pd
+
+    tokens = {"plain": [[1, 2], [3, 4], [5, 6]], "kvcached": [[1, 2], [3, 9], [5, 6]]}
+    again = vllm_pd._again(1, tokens, [[1, 2], [3, 8], [5, 6]])
+    assert again["requests_differing"] == [1]
+    assert not again["plain_repeats_itself"] and again["plain_again_differing"] == [1]
+    times = {"ttft_median_s": 1.0, "tpot_median_s": 0.1, "prefill_s": 1.0,
+             "decode_tokens_per_s": 10.0}  # fmt: skip
+    rounds = [{"run": "round", "repeat": n, "setup": setup, "tokens_sha": sha, **times}
+              for n, shas in enumerate((("a", "a"), ("b", "c"), ("d", "d"), ("e", "f")))
+              for setup, sha in zip(("plain", "kvcached"), shas, strict=True)]  # fmt: skip
+    summary = vllm_pd.summarize([*rounds, again])
+    assert summary["tokens_equal_every_round"] is False
+    assert summary["rounds_differing"] == [1, 3]
+    assert summary["plain_repeated_itself"] == {"1": False, "3": None}

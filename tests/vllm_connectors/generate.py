@@ -232,6 +232,13 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     check_errors: list[str] = []
     seen["check_errors"] = check_errors  # type: ignore[assignment]
     seen["loaded_bytes_equal"], seen["loaded_bytes_differ"] = [], []
+    # blocks whose bytes the retrieval left as they were: a retrieval that wrote its
+    # bytes somewhere else leaves the blocks vLLM gave it untouched
+    seen["loaded_bytes_unwritten"] = []
+    # filled in place by `record_layout`: the caller copied this dict's entries before
+    # any step ran, so a key added later would never reach the result
+    layout: dict[str, object] = {}
+    seen["lmcache_layout"] = layout  # type: ignore[assignment]
 
     def checksums_of(self, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
         return block_checksums(list(self._lmcache_engine.kv_caches.values()), ids)
@@ -247,7 +254,6 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     def start_load_kv(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
         import torch
 
-        load(self, forward_context, **kwargs)
         blocks: list[int] = []
         checked: list[tuple[tuple[tuple[int, ...], int], int]] = []
         for request in self._get_connector_metadata().requests:
@@ -258,6 +264,13 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             blocks += sorted({int(slot) // block_size(self) for slot in slots.tolist()})
             checked += whole_blocks(self, request, spec.vllm_cached_tokens,
                                     spec.lmcache_cached_tokens)  # fmt: skip
+        before: list[int] = []
+        if checked and self._lmcache_engine.kv_caches:
+            try:
+                before = checksums_of(self, [block for _, block in checked])
+            except Exception as exc:
+                check_errors.append(repr(exc)[:300])
+        load(self, forward_context, **kwargs)
         seen["loaded"] += blocks
         if blocks:
             torch.cuda.synchronize()  # the retrieval has landed
@@ -268,6 +281,9 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             except Exception as exc:
                 check_errors.append(repr(exc)[:300])
                 now = []
+            for (_, block), old, value in zip(checked, before, now, strict=False):
+                if old == value:
+                    seen["loaded_bytes_unwritten"].append(block)
             for (key, block), value in zip(checked, now, strict=False):
                 if key in stored_checksums:
                     same = stored_checksums[key] == value
@@ -288,12 +304,13 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
         ints, not from the tensors' strides, so a view that differs from vLLM-alone's in
         any of these would explain a wrong retrieval. A failure is recorded in its place
         (and replaced by the next call's record)."""
-        if seen.get("lmcache_layout", {}).get("page_buffer_size", "None") != "None":
+        if layout.get("page_buffer_size", "None") != "None":
             return  # recorded with the layout set up (until then, recorded again)
+        layout.clear()
         try:
             gpu = self._lmcache_engine.lmcache_engine.gpu_connector
             kv = next(iter(self._lmcache_engine.kv_caches.values()))
-            seen["lmcache_layout"] = {  # type: ignore[assignment]
+            layout.update({
                 "layers": len(self._lmcache_engine.kv_caches),
                 "shape": list(kv.shape),
                 "stride": list(kv.stride()),
@@ -301,9 +318,9 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
                 "storage_bytes": int(kv.untyped_storage().nbytes()),
                 "connector": type(gpu).__name__,
                 **{name: repr(getattr(gpu, name, None)) for name in ENGINE_LAYOUT_FIELDS},
-            }
+            })  # fmt: skip
         except Exception as exc:  # a diagnostic: recorded, never fatal
-            seen["lmcache_layout"] = {"error": repr(exc)[:300]}  # type: ignore[assignment]
+            layout["error"] = repr(exc)[:300]
 
     def wait_for_save(self):  # type: ignore[no-untyped-def]
         from kvcached.engines.vllm import instance
