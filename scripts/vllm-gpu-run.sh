@@ -47,7 +47,8 @@
 #              (1024) tokens, PD_MAX_TOKENS (64) new; eager (four engine starts with
 #              torch.compile pass 4 min; PD_EAGER=0 for CUDA graphs). Needs NIXL: an earlier command of the
 #              same machine carried .whl-nixl (nixl + nixl-cu13 for Python 3.12, ~57 MiB)
-#              and ran install-into-site.sh, or this one carries it
+#              and ran install-into-site.sh, or this one carries it. PD_S (500) bounds
+#              the run; one cut short gets $OUT/vllm_pd_summary.jsonl of its finished rounds
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
 #   TP=2 RUNNERS=v1 bash scripts/vllm-gpu-run.sh overhead
@@ -107,11 +108,16 @@ for step in "$@"; do
         done
         ;;
     pd)
-        timeout "${PD_S:-560}" python3 "$repo/benchmarks/vllm_pd.py" --device gpu \
+        timeout "${PD_S:-500}" python3 "$repo/benchmarks/vllm_pd.py" --device gpu \
             --model /tmp/m-q06 --rounds "${PD_ROUNDS:-16}" --batch "${PD_BATCH:-16}" \
             --prompt-len "${PD_PROMPT_LEN:-1024}" --max-tokens "${PD_MAX_TOKENS:-64}" \
             --max-model-len 2048 --budget 16GiB --gpu-mem 0.12 --out "$out/vllm_pd.jsonl" \
             $([ "${PD_EAGER:-1}" = 1 ] && echo --eager) || status=1
+        # a run its time limit cut short has no summary line of its own: summarize the
+        # rounds it finished (the 2026-12-03 and 2026-12-04 runs both were cut)
+        tail -n 1 "$out/vllm_pd.jsonl" | grep -q '"run": "summary"' ||
+            python3 "$repo/benchmarks/vllm_pd.py" --summarize "$out/vllm_pd.jsonl" \
+                > "$out/vllm_pd_summary.jsonl"
         ;;
     connectors)
         for trial in ${CONNECTOR_TRIALS:-offloading}; do
