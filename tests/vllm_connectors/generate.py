@@ -241,6 +241,11 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     seen["lmcache_layout"] = layout  # type: ignore[assignment]
 
     def checksums_of(self, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+        import torch
+
+        # the whole device first: the step's forward (or a copy) may still be writing
+        # these blocks on a stream other than the one this checksum runs on
+        torch.cuda.synchronize()
         return block_checksums(list(self._lmcache_engine.kv_caches.values()), ids)
 
     def whole_blocks(self, request, first: int, end: int):  # type: ignore[no-untyped-def]
