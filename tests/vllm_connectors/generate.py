@@ -425,7 +425,7 @@ def main() -> None:
         seen.update(_watch_loads(a.corrupt_loads))
     if a.delay_free_steps:
         delayed = _delay_frees(a.delay_free_steps)
-    if a.offload_gib is not None and (a.prove or a.corrupt_offload_loads):
+    if a.offload_gib is not None:  # vLLM alone's stores and loads too, to set beside kvcached's
         seen.update(_watch_offload(a.corrupt_offload_loads))
     if a.lmcache_gib is not None:
         # LMCache reads its configuration from the environment: a CPU tier of that size,
