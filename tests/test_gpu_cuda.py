@@ -98,3 +98,38 @@ def test_views_are_on_the_selected_device() -> None:
             view.copy_(torch.ones_like(view))
             assert float(view.float().sum()) == g
             backend.unmap(r, 0, 2 * g)
+
+
+def test_a_part_on_the_device_places_absolute_storage_offsets_inside_itself() -> None:
+    # vLLM 0.26 views a Gated DeltaNet layer's state in its buffer with
+    # torch.as_strided(buffer, ..., storage_offset=k): k counts from the buffer's own
+    # storage. On the device a part must start its storage where it lies, so such a view
+    # of the second part lands in the second part, not in the first
+    import torch
+
+    from kvcached.allocator import PageAllocator
+    from kvcached.backing import BackingBuffer
+
+    with CudaBackend() as backend:
+        g = backend.granularity
+        blocks = 4
+        with BackingBuffer(
+            backend, nbytes=2 * blocks * g, num_blocks=blocks, block_bytes=g,
+            segment_offsets=[0, blocks * g],
+        ) as buf:  # fmt: skip
+            alloc = PageAllocator(
+                buf.group, extent_bytes=g, pool_low=0, pool_high=0, background=False
+            )
+            assert alloc.alloc(blocks) == list(range(blocks))  # every block mapped
+            first, second = buf.part(0, blocks * g), buf.part(blocks * g, blocks * g)
+            assert second.device == torch.device(backend.device)
+            assert second.storage_offset() == 0
+            assert second.data_ptr() == buf.raw("int8").data_ptr() + blocks * g
+            first.zero_()
+            second.zero_()
+            placed = torch.as_strided(second, (16,), (1,), storage_offset=g)
+            placed.fill_(7)
+            torch.cuda.synchronize()
+            assert int(second[g : g + 16].sum()) == 7 * 16  # where the offset says
+            assert int(first.abs().sum()) == 0  # the first part untouched
+            alloc.close()
