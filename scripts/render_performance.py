@@ -682,8 +682,8 @@ SECTIONS = (
         "there than on the first (64 MiB extents, a whole extent at once: 1.23 ms/GiB to "
         "grow against 0.89-0.93), as did the raw driver's own map (35.6 µs against "
         "24.7 at 2 MiB, each folder's `vmm_ops_cuda.jsonl`), so the per-GiB figures are "
-        "the machine's as much as kvcached's; the handoff rows time a budget passed from one instance to another "
-        "through the ledger, at once and after a 1 s delay.",
+        "the machine's as much as kvcached's; the handoff rows time a budget passed from "
+        "one instance to another through the ledger, at once and after a 1 s delay.",
         _grow_shrink,
     ),
     Section(
