@@ -531,8 +531,8 @@ def _schedule_cost(files: dict[str, Rows]) -> list[str]:
         for r in rows:
             if r.get("bench") == "vllm_schedule_cost_summary":
                 low, high = r["paired_ratio_ci95"]
-                body.append([f"`{Path(name).name}`", r["label"], r["median_us_vllm"],
-                             r["median_us_kvcached"], r["paired_ratio_median"],
+                body.append([f"`{Path(name).name}`", r["label"], round(r["median_us_vllm"], 1),
+                             round(r["median_us_kvcached"], 1), r["paired_ratio_median"],
                              f"[{_g(low)}, {_g(high)}]", r["pairs"],
                              r["greedy_equal"]])  # fmt: skip
     header = ["file", "kvcached's block pool", "vLLM alone µs a step", "kvcached µs a step",
@@ -1044,6 +1044,23 @@ SECTIONS = (
         "alone's time over kvcached's (1.0: no cost). Three runs one after the other with "
         "kvcached's block pool as of commit 161de34, with the prefix hits found by "
         "position, and with a zero need answered at once (the folder's README).",
+        _schedule_cost,
+    ),
+    Section(
+        "The scheduler's host time per step: the count's wrapper",
+        "benchmarks/vllm_schedule_cost.py",
+        (
+            "cpu-2026-12-04b/vllm_schedule_cost_bb21d3c.jsonl",
+            "cpu-2026-12-04b/vllm_schedule_cost_zero_need.jsonl",
+            "cpu-2026-12-04b/vllm_schedule_cost_own_parameters.jsonl",
+            "cpu-2026-12-04b/vllm_schedule_cost.jsonl",
+        ),
+        "The same benchmark a day later, on a quieter machine, four runs one after the "
+        "other: kvcached's block pool as of commit bb21d3c; a need of zero answered in the "
+        "free-block count itself; the wrapper of vLLM's count taking the count's own "
+        "parameters instead of `*args, **kwargs` (vLLM passes eight keywords once per "
+        "running request per step, and repacking them was most of what was left); and a "
+        "need of zero told to the queue without a call (the folder's README).",
         _schedule_cost,
     ),
     Section(

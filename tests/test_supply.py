@@ -523,3 +523,40 @@ def test_the_count_wrapper_passes_the_prefix_hits_however_vllm_passes_them() -> 
     plain = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=[]))
     assert wrapped(plain, "d", 48, hits) == 3  # vLLM's own queue: nothing is told
     assert len(told) == 3
+
+
+def test_the_count_wrapper_takes_the_counts_own_parameters_so_keywords_are_not_repacked() -> None:
+    # vLLM calls the count by keyword once per running request per step: the wrapper has
+    # the original's parameter list (kinds and defaults too), and a signature it cannot
+    # copy (*args, **kwargs) still gets a wrapper that passes the hits on
+    import inspect
+
+    from kvcached.engines.vllm.block_pool import ElasticFreeQueue, counted_for_the_comparison
+
+    told: list[tuple[int, Any]] = []
+    queue = object.__new__(ElasticFreeQueue)
+    queue.expect = lambda need, hits=(): told.append((need, hits))  # type: ignore[method-assign]
+    coordinator = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=queue))
+
+    def count(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any,
+              *, apply_admission_cap: bool = False, prefill_end: int = 0) -> int:  # fmt: skip
+        return num_tokens // 16 + (1 if apply_admission_cap else 0) + prefill_end
+
+    wrapped = counted_for_the_comparison(count)
+    assert str(inspect.signature(wrapped)) == str(inspect.signature(count))
+    assert wrapped.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) == 0
+    hits = (["block"],)
+    assert wrapped(coordinator, request_id="a", num_tokens=64, new_computed_blocks=hits) == 4
+    assert wrapped(coordinator, "b", 32, hits, apply_admission_cap=True, prefill_end=2) == 5
+    assert told == [(4, hits), (5, hits)]
+    assert wrapped(coordinator, "c", 0, hits) == 0  # a need of zero: no hits passed on
+    assert (queue._expected, queue._expected_hits) == (0, ())
+    with pytest.raises(TypeError):
+        wrapped(coordinator, "d", 16, hits, True)  # keyword-only stays keyword-only
+
+    def loose(self: Any, *args: Any, **kwargs: Any) -> int:
+        return int(kwargs.get("num_tokens", 0)) // 16
+
+    generic = counted_for_the_comparison(loose)
+    assert generic(coordinator, num_tokens=48, new_computed_blocks=hits) == 3
+    assert told[-1] == (3, hits)
