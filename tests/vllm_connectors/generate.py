@@ -232,8 +232,8 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
     check_errors: list[str] = []
     seen["check_errors"] = check_errors  # type: ignore[assignment]
     seen["loaded_bytes_equal"], seen["loaded_bytes_differ"] = [], []
-    # blocks whose bytes the retrieval left as they were: a retrieval that wrote its
-    # bytes somewhere else leaves the blocks vLLM gave it untouched
+    # loaded blocks without the stored bytes that the retrieval left as they were: a
+    # retrieval that wrote its bytes somewhere else leaves the blocks vLLM gave it untouched
     seen["loaded_bytes_unwritten"] = []
     # filled in place by `record_layout`: the caller copied this dict's entries before
     # any step ran, so a key added later would never reach the result
@@ -286,13 +286,14 @@ def _watch_lmcache(corrupt: bool) -> dict[str, list[int]]:
             except Exception as exc:
                 check_errors.append(repr(exc)[:300])
                 now = []
-            for (_, block), old, value in zip(checked, before, now, strict=False):
-                if old == value:
-                    seen["loaded_bytes_unwritten"].append(block)
-            for (key, block), value in zip(checked, now, strict=False):
+            unchanged = [old == value for old, value in zip(before, now, strict=False)]
+            for i, ((key, block), value) in enumerate(zip(checked, now, strict=False)):
                 if key in stored_checksums:
                     same = stored_checksums[key] == value
                     seen["loaded_bytes_equal" if same else "loaded_bytes_differ"].append(block)
+                    if not same and i < len(unchanged) and unchanged[i]:
+                        # not the stored bytes, and the retrieval did not touch them
+                        seen["loaded_bytes_unwritten"].append(block)
         if corrupt and len(blocks) > 1:
             for kv in self._lmcache_engine.kv_caches.values():
                 axis = 1 if kv.shape[0] == 2 else 0  # (2, blocks, ...) or (blocks, ...)
