@@ -1060,7 +1060,8 @@ SECTIONS = (
         "free-block count itself; the wrapper of vLLM's count taking the count's own "
         "parameters instead of `*args, **kwargs` (vLLM passes eight keywords once per "
         "running request per step, and repacking them was most of what was left); and a "
-        "need of zero told to the queue without a call (the folder's README).",
+        "need of zero told to the queue without a call, no gain, reverted since (the "
+        "folder's README).",
         _schedule_cost,
     ),
     Section(

@@ -548,9 +548,8 @@ def test_the_count_wrapper_takes_the_counts_own_parameters_so_keywords_are_not_r
     hits = (["block"],)
     assert wrapped(coordinator, request_id="a", num_tokens=64, new_computed_blocks=hits) == 4
     assert wrapped(coordinator, "b", 32, hits, apply_admission_cap=True, prefill_end=2) == 5
-    assert told == [(4, hits), (5, hits)]
     assert wrapped(coordinator, "c", 0, hits) == 0  # a need of zero: no hits passed on
-    assert (queue._expected, queue._expected_hits) == (0, ())
+    assert told == [(4, hits), (5, hits), (0, ())]
     with pytest.raises(TypeError):
         wrapped(coordinator, "d", 16, hits, True)  # keyword-only stays keyword-only
 

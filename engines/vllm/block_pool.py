@@ -428,13 +428,9 @@ def _tell_the_queue(coordinator: Any, need: int, hits: Any) -> None:
     queue = coordinator.block_pool.free_block_queue
     if queue.__class__ is not ElasticFreeQueue:
         return
-    if need == 0:
-        # the per-request path of every decode step: `expect(0)` written out, a call
-        # less. vLLM counts each prefix hit that sits in the free queue as a block to
-        # allocate, so a need of zero has no retained hit for an upkeep to spare
-        queue._expected, queue._expected_hits = 0, ()
-    else:
-        queue.expect(need, hits or ())
+    # vLLM counts each prefix hit that sits in the free queue as a block to allocate, so
+    # a need of zero (most requests at a decode step) has no retained hit to spare
+    queue.expect(need, (hits or ()) if need else ())
 
 
 def _forwarding(
