@@ -323,13 +323,16 @@ class InstanceSlot(Generic[InstanceT]):
     here: `replace` closes the earlier one before making the next, `current` is None
     once closed, `close` is idempotent (and safe in an `atexit` hook). `planned_model`
     is the model the engine's sizing step saw, which names the ledger row of the
-    instance made later in the same process.
+    instance made later in the same process; `planned_fixed_bytes`, what that step
+    sized beside the KV cache for the instance to charge to its row for its whole life
+    (an SGLang hybrid model's Mamba state pool).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current: InstanceT | None = None
         self.planned_model: str | None = None
+        self.planned_fixed_bytes = 0
 
     def replace(self, make: Callable[[], InstanceT]) -> InstanceT:
         """Close this process's instance (if any), then make and keep `make()`."""

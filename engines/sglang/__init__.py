@@ -12,6 +12,8 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
   from a memory profile; `instance.py` holds the one kvcached instance per process.
 * `buffers.py`: the MHA and MLA pools' per-layer KV buffers are views of one kvcached
   reservation (slot 0's page always mapped).
+* `mamba.py`: a hybrid Mamba model's state pool, SGLang's own, sized from the request
+  count and charged to the instance's ledger row.
 * `allocator.py`: SGLang's token and paged allocators hand out only mapped slots and
   count as free what kvcached can really supply, so running out of memory becomes
   SGLang's own queueing and retraction; the idle invariant check follows it.
@@ -22,7 +24,7 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
   maps them (its decisions ride on SGLang's request broadcast).
 
 Targets SGLang 0.5.16, any tensor parallel size, MHA and MLA models with the plain
-token-to-KV pools (page size 1 or more).
+token-to-KV pools (page size 1 or more), and hybrid Mamba models with one rank.
 """
 
 from __future__ import annotations

@@ -7,11 +7,13 @@ has no room left, the instance has been idle), a freed slot on a page that other
 slots still use returns nothing. So `evict_emptying_pages` runs SGLang's own `evict`
 with a different priority: the allocator's `release_order` of the leaves' pages
 (pages with the fewest other live slots first, then the highest, so high extents
-drain). The tree stays consistent (SGLang deletes the leaves, records its events and
-metrics); only the order changes. The freed pages land in the allocator's stock and
-`give_back` returns the stock to kvcached, whose allocator releases extents once empty
-(after waiting for the device: `PageAllocator` synchronises before it unmaps, so GPU
-work the overlap scheduler launched one batch ahead finishes reading first).
+drain); `MambaRadixCache` (hybrid Mamba models, `mamba.py`) has no such order to
+swap and evicts in its own LRU order. The tree stays consistent (SGLang deletes the
+leaves, records its events and metrics); only the order changes. The freed pages
+land in the allocator's stock and `give_back` returns the stock to kvcached, whose
+allocator releases extents once empty (after waiting for the device: `PageAllocator`
+synchronises before it unmaps, so GPU work the overlap scheduler launched one batch
+ahead finishes reading first).
 """
 
 from __future__ import annotations
@@ -42,12 +44,20 @@ class _PageFirst:
 
 def evict_emptying_pages(tree_cache: Any, allocator: Any, num_tokens: int) -> int:
     """Evict up to `num_tokens` cached tokens, those that empty pages first; returns the
-    tokens evicted. `allocator` is SGLang's (elastic) allocator."""
-    leaves = list(getattr(tree_cache, "evictable_leaves", ()))
-    if num_tokens <= 0 or not leaves:
+    tokens evicted. `allocator` is SGLang's (elastic) allocator. A cache without
+    `evictable_leaves` (`MambaRadixCache`, whose LRU lists are its order) evicts in its
+    own order."""
+    if num_tokens <= 0:
+        return 0
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if not hasattr(tree_cache, "evictable_leaves"):
+        result = tree_cache.evict(EvictParams(num_tokens=num_tokens))
+        return int(getattr(result, "num_tokens_evicted", 0))
+    leaves = list(tree_cache.evictable_leaves)
+    if not leaves:
         return 0
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     page_size = allocator.page_size
     slots = torch.cat([leaf.value for leaf in leaves if leaf.value is not None])
@@ -63,6 +73,17 @@ def evict_emptying_pages(tree_cache: Any, allocator: Any, num_tokens: int) -> in
     return int(getattr(result, "num_tokens_evicted", 0))
 
 
+def evictable_tokens(tree_cache: Any) -> int:
+    """The KV tokens `tree_cache` could evict. `MambaRadixCache.evictable_size()` raises
+    (it counts tokens and state slots apart): its `full_evictable_size()` is the tokens'."""
+    full = getattr(tree_cache, "full_evictable_size", None)
+    if callable(full):
+        return int(full())
+    if hasattr(tree_cache, "evictable_size"):
+        return int(tree_cache.evictable_size())
+    return 0
+
+
 def give_back(tree_cache: Any, allocator: Any, *, tokens: int | None) -> tuple[int, int]:
     """Evict `tokens` cached tokens (None: every evictable one) page-first, then return
     the stock to kvcached. Returns (tokens evicted, pages returned)."""
@@ -70,7 +91,7 @@ def give_back(tree_cache: Any, allocator: Any, *, tokens: int | None) -> tuple[i
     if tree_cache is not None:
         want = tokens
         if want is None:
-            want = int(tree_cache.evictable_size()) if hasattr(tree_cache, "evictable_size") else 0
+            want = evictable_tokens(tree_cache)
         evicted = evict_emptying_pages(tree_cache, allocator, want)
     returned = allocator.give_back_stock()
     return evicted, returned

@@ -28,6 +28,7 @@ from kvcached.backing import BackingBuffer
 from kvcached.cache import KVCache, start_engine_cache
 from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.geometry import PoolGeometry
+from kvcached.engines.sglang.refusals import Refused
 from kvcached.supply import InstanceSlot
 
 log = logging.getLogger("sglang.kvcached")
@@ -57,6 +58,7 @@ class SglangInstance:
         allocator: PageAllocator | None,
         capacity: Any,
         owned: tuple[Any, ...] = (),
+        fixed_bytes: int = 0,
     ) -> None:
         self.geometry = geometry
         self.backing = backing  # the views SGLang's kernels use are over this
@@ -67,6 +69,8 @@ class SglangInstance:
         #: SGLang's last usable page id (the rounding up to whole page ids is not)
         self.last_page = geometry.pages - 1
         self._owned = owned  # closed after the cache (a replica, a recording backing)
+        #: memory SGLang holds beside the KV pool, charged to the row for the whole life
+        self.fixed_bytes = fixed_bytes
         self.closed = False
         self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
         self.tree_cache: Any = None  # the scheduler's radix cache, once seen (lifecycle.py)
@@ -84,6 +88,8 @@ class SglangInstance:
             if callable(stop):
                 stop()  # no rank waits for the others any more
             if self.cache is not None:
+                if self.fixed_bytes:
+                    self.cache.account.refund(self.fixed_bytes)
                 self.cache.close()
         finally:
             for thing in self._owned:
@@ -93,14 +99,51 @@ class SglangInstance:
         return f"SglangInstance({self.name}, {self.capacity!r})"
 
 
-def single(geometry: PoolGeometry, backend: Any, *, name: str) -> SglangInstance:
+def _charge_fixed(cache: KVCache, allocator: PageAllocator, nbytes: int) -> bool:
+    """Charge `nbytes` to the instance's row. Memory SGLang holds already comes before
+    pages mapped ahead of demand: the pool thread may have mapped some since the cache
+    started, so a charge that fails is tried once more after they are given back."""
+    if cache.account.try_charge(nbytes):
+        return True
+    allocator.pause_growth()
+    try:
+        allocator.trim(keep=0)
+        allocator.wait_released()
+        return cache.account.try_charge(nbytes)
+    finally:
+        allocator.resume_growth()
+
+
+def single(
+    geometry: PoolGeometry, backend: Any, *, name: str, fixed_bytes: int = 0
+) -> SglangInstance:
+    """One rank's instance; `fixed_bytes` (a Mamba state pool SGLang allocated itself,
+    `mamba.py`) is charged to its row at once, or the start is refused."""
     backing = geometry.backing(backend)
     cache = KVCache(layout=backing, name=name, engine="sglang", backend=backend)
     allocator = start_engine_cache(cache, "SGLang's padding page")
+    if fixed_bytes and not _charge_fixed(cache, allocator, fixed_bytes):
+        row = cache.account
+        limit = row.limit
+        headroom = row.headroom() if limit is None else min(row.headroom(), limit - row.reserved)
+        cache.close()
+        raise Refused(
+            f"SGLang's Mamba state pool holds {fixed_bytes} bytes, but the instance's "
+            f"limit or the device budget has room for {headroom} more; raise "
+            "KVCACHED_INSTANCE_LIMIT or the budget (kvctl budget), or lower "
+            "--max-mamba-cache-size / --max-running-requests"
+        )
     capacity = ElasticCapacity(
         allocator, last_page=geometry.pages - 1, page_size=geometry.page_size
     )
-    return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
+    return SglangInstance(
+        geometry,
+        backing,
+        cache=cache,
+        allocator=allocator,
+        capacity=capacity,
+        fixed_bytes=fixed_bytes,
+    )
 
 
 #: this process's instance, and the model SGLang's sizing step saw (`sizing.py`)
@@ -116,7 +159,8 @@ def replace(make: Callable[[], SglangInstance]) -> SglangInstance:
 
 def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangInstance:
     """Create this process's instance (closing an earlier one)."""
-    return replace(lambda: single(geometry, backend, name=instance_name(model)))
+    fixed = slot.planned_fixed_bytes
+    return replace(lambda: single(geometry, backend, name=instance_name(model), fixed_bytes=fixed))
 
 
 def current() -> SglangInstance | None:

@@ -140,6 +140,7 @@ SHIMS: tuple[Shim, ...] = (
 _ALLOCATORS = "sglang.srt.mem_cache.allocator"
 _BASE_ALLOCATOR = f"{_ALLOCATORS}.BaseTokenToKVPoolAllocator"
 _RADIX = "sglang.srt.mem_cache.radix_cache"
+_MAMBA_RADIX = "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache"
 _PREFIX = "sglang.srt.mem_cache.base_prefix_cache"
 _ARGS = "sglang.srt.server_args.ServerArgs"
 _GROUP = "sglang.srt.distributed.parallel_state.GroupCoordinator"
@@ -193,6 +194,23 @@ CONTACTS: tuple[Contact, ...] = (
             )
         ]
         + ["sglang.srt.configs.model_config.ModelConfig.model_path"],
+    ),
+    # mamba.py: a hybrid Mamba model's state pool, sized by SGLang's own rule
+    *_contacts(
+        "Mamba state pool",
+        "reads",
+        "mamba.py",
+        [f"{_ARGS}.max_mamba_cache_size", f"{_ARGS}.max_running_requests"],
+    ),
+    *_contacts(
+        "Mamba state pool",
+        "calls",
+        "mamba.py",
+        [
+            f"{_CONFIGURATOR}._handle_max_mamba_cache",
+            f"{_CONFIGURATOR}._calculate_mamba_ratio",
+            f"{_ARGS}.override",
+        ],
     ),
     # buffers.py: the pool's shape, and the buffers it gets instead of torch.zeros
     *_contacts(
@@ -312,7 +330,12 @@ CONTACTS: tuple[Contact, ...] = (
         "eviction",
         "calls",
         "eviction.py",
-        [f"{_RADIX}.RadixCache.evict", f"{_RADIX}.RadixCache.evictable_size"],
+        [
+            f"{_RADIX}.RadixCache.evict",
+            f"{_RADIX}.RadixCache.evictable_size",
+            f"{_MAMBA_RADIX}.evict",
+            f"{_MAMBA_RADIX}.full_evictable_size",
+        ],
     ),
     Contact(
         "eviction (the order: page-first)",

@@ -8,7 +8,9 @@ into all of it while the others are idle; physical memory follows use, and the
 instance's own limit (KVCACHED_INSTANCE_LIMIT, `kvctl limit`) is enforced by the
 allocator at run time. The hook replaces the profiled bytes with the budget; SGLang's
 own code still turns them into tokens, applies `--max-total-tokens` and aligns pages,
-so no `--mem-fraction-static` guess is needed. With tensor parallelism every rank's
+so no `--mem-fraction-static` guess is needed. A hybrid Mamba model's state pool is
+sized and charged apart (`mamba.py`); the KV pool gets the rest of the budget. With
+tensor parallelism every rank's
 pool must have the same size (they are replicas): the ranks take the smallest of their
 devices' budgets, as SGLang's own profile takes the smallest free memory.
 """
@@ -18,21 +20,27 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvcached.engines.sglang import instance, refusals, tensor_parallel
+from kvcached.engines.sglang import instance, mamba, refusals, tensor_parallel
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
 
 
 def check_model(configurator: Any) -> None:
-    """Refuse the pool families the adapter does not serve (one plain pool only)."""
+    """Refuse the pool families the adapter does not serve: one KV pool, beside a
+    Mamba state pool SGLang keeps itself (`mamba.py`) with one rank only."""
     if getattr(configurator, "is_hybrid_swa", False):
         raise Refused(
             "hybrid sliding-window models build two KV pools; the adapter serves models "
             "with one full-attention (MHA or MLA) pool"
         )
-    if getattr(configurator, "mambaish_config", None) is not None:
-        raise Refused("hybrid Mamba / linear-attention models are not supported yet")
+    if getattr(configurator, "mambaish_config", None) is not None and (
+        tensor_parallel.sglang_channel() is not None
+    ):
+        raise Refused(
+            "hybrid Mamba / linear-attention models with tensor parallelism are not "
+            "supported yet (they are with --tp-size 1)"
+        )
     if getattr(configurator, "is_draft_worker", False):
         raise Refused("speculative decoding's draft worker is not supported")
 
@@ -53,5 +61,11 @@ def budget_instead_of_profile(original: Any, configurator: Any, *args: Any, **kw
     channel = tensor_parallel.sglang_channel()
     if channel is not None:  # every rank's pool must be the same size: the smallest budget
         budget = channel.min_int(budget)
+    instance.slot.planned_fixed_bytes = 0
+    if getattr(configurator, "mambaish_config", None) is not None:
+        from kvcached.config import instance_limit
+
+        state, budget = mamba.state_bytes_and_rest(configurator, budget, instance_limit(budget))
+        instance.slot.planned_fixed_bytes = state  # charged when the instance starts
     log.info("kvcached: the KV pool is sized for the device budget, %d bytes", budget)
     return budget
