@@ -416,9 +416,15 @@ def test_a_full_budget_is_pressure(ledger_env: Path, monkeypatch: pytest.MonkeyP
 
 # ------------------------------------------------------------------ the idle invariant
 def _invariant(checker: Any, ps: Any, uncached: int = 0) -> tuple[bool, str]:
-    """SGLang's rule for the full pool: available + evictable + protected == total."""
+    """SGLang's rule for the full pool: available + evictable + protected == total, the
+    total being `max_total_num_tokens`, or the allocator's `size` for hybrid Mamba
+    models (SGLang 0.5.16's `_check_full_pool`)."""
     total = ps.full_available_size + ps.full_evictable_size + ps.protected
-    return total != checker.max_total_num_tokens, f"{total} vs {checker.max_total_num_tokens}"
+    if checker.is_hybrid_ssm:
+        expected = checker.token_to_kv_pool_allocator.size
+    else:
+        expected = checker.max_total_num_tokens
+    return total != expected, f"{total} vs {expected}"
 
 
 class _StockOnly:
@@ -432,8 +438,9 @@ class _StockOnly:
         return self.stock
 
 
+@pytest.mark.parametrize("hybrid_mamba", [False, True])
 def test_the_idle_check_still_catches_a_leaked_page(
-    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch, hybrid_mamba: bool
 ) -> None:
     from kvcached.engines.sglang import allocator as elastic
 
@@ -443,7 +450,10 @@ def test_the_idle_check_still_catches_a_leaked_page(
         capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
         assert capacity.take(30) is not None
         pool = _StockOnly(capacity, stock=10)  # 20 pages went to SGLang
-        checker = SimpleNamespace(token_to_kv_pool_allocator=pool, max_total_num_tokens=16384)
+        pool.size = 16384  # type: ignore[attr-defined]  # SGLang's static size
+        checker = SimpleNamespace(
+            token_to_kv_pool_allocator=pool, max_total_num_tokens=16384, is_hybrid_ssm=hybrid_mamba
+        )
 
         def stats(evictable: int) -> SimpleNamespace:
             return SimpleNamespace(
@@ -456,7 +466,8 @@ def test_the_idle_check_still_catches_a_leaked_page(
         assert not leak  # the radix cache accounts for all 20
         leak, message = elastic.checks_elastic_capacity(_invariant, checker, stats(evictable=19))
         assert leak, message  # one page lost track of
-        assert checker.max_total_num_tokens == 16384  # the static figure is put back
+        assert checker.max_total_num_tokens == 16384  # the static figures are put back
+        assert pool.size == 16384  # type: ignore[attr-defined]
     finally:
         found.close()
 

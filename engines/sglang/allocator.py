@@ -226,15 +226,24 @@ def elastic_allocator(original: Any, configurator: Any, *args: Any, **kwargs: An
 
 def checks_elastic_capacity(original: Any, checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `SchedulerInvariantChecker._check_full_pool`: the total it checks against
-    is the elastic capacity: what SGLang counted free plus what kvcached sees it hold."""
+    is the elastic capacity: what SGLang counted free plus what kvcached sees it hold.
+    SGLang reads that total from `max_total_num_tokens`, or, for hybrid Mamba models,
+    from the allocator's `size`: both stand at the elastic total during the check."""
     allocator = checker.token_to_kv_pool_allocator
     if not is_elastic(allocator):
         return original(checker, ps, *args, **kwargs)
     capacity = allocator.kv_capacity
     elastic_total = ps.full_available_size + capacity.held_by_engine(allocator.stock_pages())
     static_total = checker.max_total_num_tokens
+    # a hybrid Mamba model's check takes its total from the allocator's size instead
+    hybrid = bool(getattr(checker, "is_hybrid_ssm", False))
+    static_size = allocator.size if hybrid else None
     checker.max_total_num_tokens = elastic_total
+    if hybrid:
+        allocator.size = elastic_total
     try:
         return original(checker, ps, *args, **kwargs)
     finally:
         checker.max_total_num_tokens = static_total
+        if hybrid:
+            allocator.size = static_size

@@ -302,16 +302,19 @@ CONTACTS: tuple[Contact, ...] = (
         "allocator.py",
         [
             f"{_CHECKER}.SchedulerInvariantChecker.token_to_kv_pool_allocator",
+            f"{_CHECKER}.SchedulerInvariantChecker.is_hybrid_ssm",
             "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
             ".full_available_size",
         ],
     ),
-    Contact(
+    *_contacts(
         "idle invariant check (the total it checks against)",
-        f"{_CHECKER}.SchedulerInvariantChecker.max_total_num_tokens",
-        SUPPORTED,
         "swaps",
         "allocator.py",
+        [
+            f"{_CHECKER}.SchedulerInvariantChecker.max_total_num_tokens",
+            f"{_BASE_ALLOCATOR}.size",  # a hybrid Mamba model's total
+        ],
     ),
     # eviction.py: SGLang's own radix-cache eviction, in a page-first order
     Contact("eviction", f"{_PREFIX}.EvictParams", SUPPORTED, "imports", "eviction.py"),

@@ -263,7 +263,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             architecture="Qwen3NextForCausalLM",
             why_hard="Qwen3.5's 3:1 Gated DeltaNet : attention pattern (a state cache in "
             "the KV block pool) in Qwen3-Next's class, with MoE",
-            common={"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
+            # SGLang's Qwen3NextConfig derives the layer pattern from the published
+            # config's full_attention_interval (every 4th layer), not from layer_types
+            common={
+                "model_type": "qwen3_next",
+                "architectures": ["Qwen3NextForCausalLM"],
+                "full_attention_interval": 4,
+            },
             real={
                 "hidden_size": 2048,
                 "intermediate_size": 5120,

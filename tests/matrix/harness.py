@@ -18,10 +18,11 @@ and, at 300 prompt tokens, past the 128-token sliding windows of the scaled mode
     python tests/matrix/harness.py --out tests/matrix/results/vllm-cpu.json [ROW ...]
     python tests/matrix/harness.py --gpu --out $OUT/vllm-gpu.json   # scripts/matrix-gpu.sh
 
-Every equal vLLM row also runs a third time, with kvcached and ``--corrupt`` (held KV
-blocks swapped midway through the decode): its ``corruption`` field says how many
-blocks were swapped and whether the tokens then changed, so each ✅ shows that its
-comparison could fail.
+Every equal row also runs a third time, with kvcached and ``--corrupt`` (vLLM: held KV
+blocks swapped midway through the decode; SGLang: every mapped page rotated by one
+while idle between two runs of the batch, the second reading its prompts from the
+corrupted radix cache): its ``corruption`` field says how many blocks were swapped and
+whether the tokens then changed, so each ✅ shows that its comparison could fail.
 
 With ``--gpu`` (vLLM on the H200) the models keep their real KV shapes with fewer
 layers (`random_arch`'s ``gpu`` scale), the batch is larger and deterministic, and each
@@ -97,6 +98,8 @@ SGLANG_BATCH = (
     *("--prompts", "64", "--prompt-len", "1200", "--max-tokens", "128", "--repeat", "2"),
     *("--dtype", "bfloat16", "--context-length", "2048"),
 )
+#: what a corrupted-page run adds to an engine's batch arguments before ``--corrupt``
+ONE_CLEAN_RUN = {"sglang": ("--repeat", "1"), "vllm": ()}
 #: the attention backend per architecture class, read from SGLang 0.5.16 on Hopper:
 #: deterministic mode picks fa3 when none is given (arg_groups/overrides.py,
 #: _deterministic_attention_backend) but Gemma 4 asserts trtllm_mha or triton
@@ -249,10 +252,14 @@ def corruption_verdict(result: dict[str, Any], clean: list[list[int]]) -> dict[s
     the decode and at which step, whether the tokens before then were equal and the
     ones after changed (the equality check can fail)."""
     after, first = result["corrupted_after_tokens"], result["runs"][0]
+    if "before_corruption" in result:  # SGLang: a whole run before, a whole run after
+        equal_before = result["before_corruption"] == clean
+    else:  # vLLM: the tokens decoded before the swap
+        equal_before = [t[:after] for t in first] == [t[:after] for t in clean]
     return {
         "swapped_blocks": result["corrupted_blocks"],
         "at_step": result["corrupted_at_step"],
-        "equal_before": [t[:after] for t in first] == [t[:after] for t in clean],
+        "equal_before": equal_before,
         "changed_tokens": first != clean,
     }
 
@@ -354,14 +361,15 @@ def run_row(
         cell["throughput_ratio"] = round(
             with_kvcached["tokens_per_s"] / baseline["tokens_per_s"], 3
         )
-    if engine == "vllm" and cell["outcome"] == "equal":  # show that the equality can fail
+    if cell["outcome"] == "equal":  # show that the equality can fail
         corrupted = run_engine(
             model,
             work / f"{name}-ledger-corrupt",
             kvcached=True,
             many_extents=not gpu,
             timeout=max(30.0, deadline - time.monotonic()),
-            **{**options, "batch": (*batch, "--corrupt")},
+            # SGLang: one clean run before the corruption is enough
+            **{**options, "batch": (*batch, *ONE_CLEAN_RUN[engine], "--corrupt")},
         )
         cell["corruption"] = (
             corruption_verdict(corrupted, baseline["runs"][0])

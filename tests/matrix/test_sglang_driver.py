@@ -306,3 +306,44 @@ def test_other_models_get_no_overrides(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     options = sglang_generate.engine_options(sglang_generate.parse([str(tmp_path)]), kvcached=False)
     assert "json_model_override_args" not in options
+
+
+def test_a_composite_checkpoint_runs_its_text_model_without_a_processor(tmp_path: Path) -> None:
+    # Qwen3.5's published class carries a vision tower; SGLang would load its image
+    # processor (the random checkpoint has none) unless multimodal is off
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"depth": 1}}))
+    args = sglang_generate.parse([str(tmp_path), "--prompts", "2"])
+    assert sglang_generate.engine_options(args, kvcached=True)["enable_multimodal"] is False
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert "enable_multimodal" not in sglang_generate.engine_options(args, kvcached=True)
+
+
+def test_the_sglang_corruption_run_is_one_clean_run_then_the_corrupted_one() -> None:
+    batch = (*harness.engine_batch("sglang", "mla", gpu=True), *harness.ONE_CLEAN_RUN["sglang"])
+    args = sglang_generate.parse(["/m", *batch, "--corrupt"])
+    assert args.corrupt and args.repeat == 1
+    clean = [[1, 2, 3], [4, 5, 6]]
+    caught = {
+        "runs": [[[1, 2, 9], [4, 5, 6]]],
+        "before_corruption": clean,
+        "corrupted_blocks": 40,
+        "corrupted_at_step": 0,
+        "corrupted_after_tokens": 0,
+    }
+    verdict = harness.corruption_verdict(caught, clean)
+    assert verdict["equal_before"] and verdict["changed_tokens"]
+    harness.assert_corruption_proves_failure(verdict)
+    # a run that already differed before the corruption proves nothing
+    differed = {**caught, "before_corruption": [[1, 2, 4], [4, 5, 6]]}
+    with pytest.raises(AssertionError, match="differed before"):
+        harness.assert_corruption_proves_failure(harness.corruption_verdict(differed, clean))
+    # and corrupted pages that change no token fail the check
+    unchanged = {**caught, "runs": [clean]}
+    with pytest.raises(AssertionError, match="changed no token"):
+        harness.assert_corruption_proves_failure(harness.corruption_verdict(unchanged, clean))
+
+
+def test_the_corrupting_run_needs_kvcached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENABLE_KVCACHED", "0")
+    with pytest.raises(SystemExit, match="ENABLE_KVCACHED=1"):
+        sglang_generate.main(["/m", "--prompts", "1", "--corrupt"])

@@ -15,7 +15,13 @@ run after the first finds its prompts in the radix cache.
 
     python generate.py MODEL [--prompts N] [--prompt-len L] [--max-tokens M]
         [--repeat R] [--dtype D] [--context-length C] [--attention-backend B]
-        [--mem-fraction F] [--log-level L]
+        [--mem-fraction F] [--log-level L] [--corrupt]
+
+With ``--corrupt`` (kvcached only) the batch runs once, the test-only plugin
+(plugins/kvcached_corrupt_kv.py) rotates every mapped KV page by one page while the
+scheduler is idle, and the batch runs again, reading its prompts from the corrupted
+radix cache: ``runs`` is then that second run, ``before_corruption`` the first and
+``corrupted_blocks`` the pages changed (the matrix's corrupted-page check).
 
 The result line: ``RESULT {"runs": [[ids per prompt] per run], "tokens_per_s", ...}``.
 `engine_options` and `prompts` import nothing from SGLang (tested on CPU).
@@ -27,8 +33,10 @@ import argparse
 import json
 import os
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 #: what benchmarks/sglang_overhead.py sets before SGLang is imported: offline, and
@@ -59,6 +67,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attention-backend", default=None, help="default: SGLang's choice")
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="the baseline's pool")
     ap.add_argument("--log-level", default="error")
+    ap.add_argument(
+        "--corrupt",
+        action="store_true",
+        help="kvcached only: run the batch, corrupt the cached KV while idle (the "
+        "test plugin), run it again from the radix cache",
+    )
     a = ap.parse_args(argv)
     if a.prompts < 1 or a.max_tokens < 1 or a.repeat < 1:
         ap.error("--prompts, --max-tokens and --repeat must be at least 1")
@@ -89,6 +103,8 @@ def engine_options(a: argparse.Namespace, *, kvcached: bool) -> dict[str, Any]:
         options["mem_fraction_static"] = a.mem_fraction
     if a.attention_backend:
         options["attention_backend"] = a.attention_backend
+    if is_composite(a.model):
+        options["enable_multimodal"] = False  # text only: no processor is loaded
     overrides = config_overrides(a.model)
     if overrides:
         options["json_model_override_args"] = json.dumps(overrides)
@@ -119,13 +135,24 @@ def gemma4_text_overrides(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def config_overrides(model: str) -> dict[str, Any]:
-    """Model overrides SGLang needs for the checkpoint in `model` (none for most)."""
+def _config(model: str) -> dict[str, Any]:
     try:
         with open(os.path.join(model, "config.json")) as f:
-            config = json.load(f)
+            found: dict[str, Any] = json.load(f)
     except (OSError, ValueError):
         return {}
+    return found
+
+
+def is_composite(model: str) -> bool:
+    """A vision-language checkpoint (Qwen3.5's published class): the matrix runs its
+    text model only, as on vLLM, so SGLang needs no image processor for it."""
+    return "vision_config" in _config(model)
+
+
+def config_overrides(model: str) -> dict[str, Any]:
+    """Model overrides SGLang needs for the checkpoint in `model` (none for most)."""
+    config = _config(model)
     if config.get("model_type") == "gemma4_text":
         return gemma4_text_overrides(config)
     return {}
@@ -137,11 +164,45 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(length)] for _ in range(n)]
 
 
+#: how long the corrupting plugin may take to find the scheduler idle
+CORRUPT_WAIT_S = 120.0
+
+
+def arm_corruption() -> Path:
+    """Put the test-only corrupting plugin on the path (the spawned scheduler finds it
+    by entry point) and arm it with a trigger file not yet there; returns that path."""
+    import tempfile
+
+    plugins = Path(__file__).resolve().parent / "plugins"
+    sys.path.insert(0, str(plugins))
+    import kvcached_corrupt_kv
+
+    kvcached_corrupt_kv.activate()
+    trigger = Path(tempfile.mkdtemp(prefix="kvcached-corrupt-")) / "corrupt-now"
+    os.environ[kvcached_corrupt_kv.CORRUPT_ENV] = str(trigger)
+    return trigger
+
+
+def corrupt_when_idle(trigger: Path) -> int:
+    """Pull the trigger and wait for the plugin's record: the KV pages it changed."""
+    trigger.touch()
+    done = Path(str(trigger) + ".done")
+    deadline = time.monotonic() + CORRUPT_WAIT_S
+    while not done.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the corrupting plugin did not run within {CORRUPT_WAIT_S:.0f} s")
+        time.sleep(0.2)
+    return int(done.read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
     for key, value in ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     kvcached = os.environ.get("ENABLE_KVCACHED") == "1"
+    if a.corrupt and not kvcached:
+        raise SystemExit("--corrupt needs ENABLE_KVCACHED=1 (the plugin corrupts kvcached pages)")
+    trigger = arm_corruption() if a.corrupt else None
 
     from sglang.srt.entrypoints.engine import Engine
 
@@ -164,11 +225,22 @@ def main(argv: list[str] | None = None) -> None:
         cached.append(
             sum(int((out.get("meta_info") or {}).get("cached_tokens") or 0) for out in outputs)
         )
+    corruption: dict[str, Any] = {}
+    if trigger is not None:
+        # the first run left its prompts in the radix cache; corrupt them while the
+        # scheduler is idle, then the same batch reads them back
+        corruption["corrupted_blocks"] = corrupt_when_idle(trigger)
+        outputs = engine.generate(input_ids=batch, sampling_params=params)
+        corruption["before_corruption"] = runs[0]
+        corruption["corrupted_at_step"] = 0  # before the second run's first token
+        corruption["corrupted_after_tokens"] = 0
+        runs = [[list(out["output_ids"]) for out in outputs]]
     generated = sum(len(ids) for run in runs for ids in run)
     print(
         "RESULT "
         + json.dumps(
             {
+                **corruption,
                 "runs": runs,
                 "cached_prompt_tokens": cached,
                 "distinct_tokens": len({t for run in runs for ids in run for t in ids}),
