@@ -734,3 +734,11 @@ def test_a_cache_without_evictable_leaves_evicts_in_its_own_order(
     assert eviction.give_back(tree, allocator, tokens=None) == (300, 7)
     assert tree.asked == [EvictParams(num_tokens=300)]
     assert eviction.give_back(tree, allocator, tokens=50) == (50, 7)
+
+
+def test_a_sliding_window_hybrid_is_refused_naming_the_one_pool_option() -> None:
+    from kvcached.engines.sglang import sizing
+
+    with pytest.raises(refusals.Refused, match="--disable-hybrid-swa-memory"):
+        sizing.check_model(SimpleNamespace(is_hybrid_swa=True, mambaish_config=None))
+    sizing.check_model(SimpleNamespace(is_hybrid_swa=False, mambaish_config=None))  # one pool

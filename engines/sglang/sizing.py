@@ -32,7 +32,10 @@ def check_model(configurator: Any) -> None:
     if getattr(configurator, "is_hybrid_swa", False):
         raise Refused(
             "hybrid sliding-window models build two KV pools; the adapter serves models "
-            "with one full-attention (MHA or MLA) pool"
+            "with one full-attention (MHA or MLA) pool. Where every layer's K and V have "
+            "one shape (GPT-OSS), --disable-hybrid-swa-memory keeps them in one pool "
+            "kvcached serves (the sliding-window layers then keep every token, not only "
+            "the window's)"
         )
     if getattr(configurator, "mambaish_config", None) is not None and (
         tensor_parallel.sglang_channel() is not None

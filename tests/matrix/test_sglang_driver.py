@@ -347,3 +347,12 @@ def test_the_corrupting_run_needs_kvcached(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("ENABLE_KVCACHED", "0")
     with pytest.raises(SystemExit, match="ENABLE_KVCACHED=1"):
         sglang_generate.main(["/m", "--prompts", "1", "--corrupt"])
+
+
+def test_gpt_oss_runs_under_kvcached_with_one_pool_and_alone_with_sglangs_two() -> None:
+    alone = _options("sliding-window-hybrid", kvcached=False)
+    served = _options("sliding-window-hybrid", kvcached=True)
+    assert served["disable_hybrid_swa_memory"] is True
+    assert "disable_hybrid_swa_memory" not in alone
+    # Gemma 4's sliding and global layers differ in K/V shape: no one pool for them
+    assert "disable_hybrid_swa_memory" not in _options("heterogeneous-kv-groups", kvcached=True)
