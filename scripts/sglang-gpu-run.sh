@@ -11,6 +11,9 @@
 #   multi      benchmarks/sglang_multi_instance.py: two SGLang instances, one ledger
 #   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
 #              vLLM recipe's site; kvcached is installed there too)
+#   real       the `gpu` tests of tests/test_sglang_real.py: the hooks on SGLang's real
+#              pools, allocators, radix caches and idle check (hybrid Mamba included),
+#              on CUDA (scripts/sglang-real-cpu.sh runs the same programs on CPU first)
 # Each step gets its own KVCACHED_LEDGER_DIR and writes JSON lines under $OUT/<step>/.
 # TP=2 runs both overhead engines with two tensor-parallel ranks (a two-GPU machine).
 # Two commands of < 10 minutes each (device time is scarce; each Engine start is 50-95 s):
@@ -67,8 +70,12 @@ for step in $steps; do
     colocated)
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,vllm --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
+    real)
+        python3 -P -m pytest -q -p no:cacheprovider -rfEs -m gpu \
+            "$repo/tests/test_sglang_real.py" > "$dir/run.log" 2>&1 ;;
     *)
-        echo "STEP $step: unknown (overhead, overhead8b, multi, colocated)"; status=2; continue ;;
+        echo "STEP $step: unknown (overhead, overhead8b, multi, colocated, real)"; status=2
+        continue ;;
     esac
     rc=$?
     [ $rc -ne 0 ] && status=$rc

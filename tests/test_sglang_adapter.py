@@ -719,6 +719,9 @@ def test_a_cache_without_evictable_leaves_evicts_in_its_own_order(
         def __init__(self) -> None:
             self.asked: list[Any] = []
 
+        def supports_mamba(self) -> bool:
+            return True
+
         def evictable_size(self) -> int:
             raise NotImplementedError  # as SGLang's: tokens and state slots apart
 
@@ -734,6 +737,21 @@ def test_a_cache_without_evictable_leaves_evicts_in_its_own_order(
     assert eviction.give_back(tree, allocator, tokens=None) == (300, 7)
     assert tree.asked == [EvictParams(num_tokens=300)]
     assert eviction.give_back(tree, allocator, tokens=50) == (50, 7)
+
+    class PlainTree(MambaTree):
+        # RadixCache: the base class's full_evictable_size() answers 0, evictable_size()
+        # the tokens (SGLang 0.5.16's base_prefix_cache.py)
+        def supports_mamba(self) -> bool:
+            return False
+
+        def full_evictable_size(self) -> int:
+            return 0
+
+        def evictable_size(self) -> int:
+            return 120
+
+    assert eviction.evictable_tokens(PlainTree()) == 120
+    assert eviction.evictable_tokens(tree) == 300
 
 
 def test_a_sliding_window_hybrid_is_refused_naming_the_one_pool_option() -> None:

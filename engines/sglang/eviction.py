@@ -75,13 +75,12 @@ def evict_emptying_pages(tree_cache: Any, allocator: Any, num_tokens: int) -> in
 
 def evictable_tokens(tree_cache: Any) -> int:
     """The KV tokens `tree_cache` could evict. `MambaRadixCache.evictable_size()` raises
-    (it counts tokens and state slots apart): its `full_evictable_size()` is the tokens'."""
-    full = getattr(tree_cache, "full_evictable_size", None)
-    if callable(full):
-        return int(full())
-    if hasattr(tree_cache, "evictable_size"):
-        return int(tree_cache.evictable_size())
-    return 0
+    (it counts tokens and state slots apart): its `full_evictable_size()` is the tokens'.
+    Every other cache answers `evictable_size()`; its `full_evictable_size()` is the base
+    class's 0."""
+    if tree_cache.supports_mamba():
+        return int(tree_cache.full_evictable_size())
+    return int(tree_cache.evictable_size())
 
 
 def give_back(tree_cache: Any, allocator: Any, *, tokens: int | None) -> tuple[int, int]:

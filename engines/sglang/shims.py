@@ -338,6 +338,7 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_RADIX}.RadixCache.evictable_size",
             f"{_MAMBA_RADIX}.evict",
             f"{_MAMBA_RADIX}.full_evictable_size",
+            f"{_PREFIX}.BasePrefixCache.supports_mamba",
         ],
     ),
     Contact(

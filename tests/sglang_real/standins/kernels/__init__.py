@@ -1,0 +1,3 @@
+"""Hidden for the SGLang CPU checks (see ../README.md)."""
+
+raise ImportError("kernels is hidden for the SGLang CPU checks")

@@ -1,0 +1,15 @@
+"""A torchvision stand-in for the SGLang CPU checks (see the README two folders up)."""
+
+import enum
+
+from torchvision import missing as __getattr__  # noqa: F401
+
+
+class InterpolationMode(enum.Enum):  # read at import time by SGLang's configs
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
