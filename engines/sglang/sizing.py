@@ -10,9 +10,9 @@ allocator at run time. The hook replaces the profiled bytes with the budget; SGL
 own code still turns them into tokens, applies `--max-total-tokens` and aligns pages,
 so no `--mem-fraction-static` guess is needed. A hybrid Mamba model's state pool is
 sized and charged apart (`mamba.py`); the KV pool gets the rest of the budget. With
-tensor parallelism every rank's
-pool must have the same size (they are replicas): the ranks take the smallest of their
-devices' budgets, as SGLang's own profile takes the smallest free memory.
+tensor parallelism every rank's pool must have the same size (they are replicas): the
+ranks take the smallest of their devices' budgets, as SGLang's own profile takes the
+smallest free memory.
 """
 
 from __future__ import annotations
