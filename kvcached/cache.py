@@ -110,7 +110,8 @@ class _GroupAccount:
     whose decisions several processes carry out (replay.py), one copy each, charges
     each device's row for the copies that device holds: all rows or none.
     `before_refund`: called before bytes go back to the rows (to wait until those
-    processes have unmapped them)."""
+    processes have unmapped them). `fixed`: bytes the instance holds outside its groups
+    (`KVCache.charge_fixed`), charged to the first row, which its limit leaves out."""
 
     def __init__(
         self,
@@ -119,9 +120,11 @@ class _GroupAccount:
         index: int,
         lock: threading.Lock,
         before_refund: Callable[[], object] | None = None,
+        fixed: list[int] | None = None,
     ):
         self._rows, self._used, self._index, self._lock = list(rows), used, index, lock
         self._before_refund = before_refund
+        self._fixed = [0] if fixed is None else fixed
 
     def try_charge(self, nbytes: int) -> bool:
         charged: list[tuple[LedgerAccount, int]] = []
@@ -163,9 +166,11 @@ class _GroupAccount:
     def limit(self) -> int | None:
         # kvctl may change a row's limit between any two reads: read each one once
         smallest: int | None = None
-        for row, copies in self._rows:
+        for i, (row, copies) in enumerate(self._rows):
             limit = row.limit
             if limit is not None:
+                if i == 0:  # what the instance holds outside its groups is not theirs
+                    limit = max(0, limit - self._fixed[0])
                 share = limit // copies
                 smallest = share if smallest is None else min(smallest, share)
         return smallest
@@ -258,6 +263,7 @@ class KVCache(Closeable):
     ) -> None:
         self._pid = os.getpid()
         self._closed = False
+        self._fixed = [0]  # bytes charged outside the groups (charge_fixed), shared
         self.allocators: list[PageAllocator] = []
         #: the rows in other devices' ledgers (tensor-parallel copies), with theirs
         self.other_rows: list[tuple[Ledger, LedgerAccount]] = []
@@ -297,7 +303,7 @@ class KVCache(Closeable):
             used = [0] * len(self.layout.groups)
             lock = threading.Lock()
             for i, group in enumerate(self.layout.groups):
-                account = _GroupAccount(rows, used, i, lock, before_refund)
+                account = _GroupAccount(rows, used, i, lock, before_refund, self._fixed)
                 allocator = PageAllocator(group, account=account, **allocator_options)
                 self.allocators.append(held.enter_context(allocator))
             self._held = held.pop_all()  # close() gives it all back, in the same order
@@ -408,6 +414,25 @@ class KVCache(Closeable):
     def reserved_bytes(self) -> int:
         return sum(allocator.reserved_bytes for allocator in self.allocators)
 
+    def charge_fixed(self, nbytes: int) -> bool:
+        """Charge `nbytes` the instance holds outside its KV groups (memory the engine
+        allocated itself, e.g. SGLang's Mamba state pool) to its ledger row, until the
+        cache closes; False, charging nothing, when the limit or the budget has no room.
+        The row's limit then bounds both: the allocators' share of it leaves them out,
+        so their free counts never promise what the ledger would refuse."""
+        self._check_own_process()
+        if nbytes < 0:
+            raise InvalidArgument(f"charge_fixed takes a byte count >= 0, got {nbytes}")
+        if not self.account.try_charge(nbytes):
+            return False
+        self._fixed[0] += nbytes
+        return True
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What `charge_fixed` charged."""
+        return self._fixed[0]
+
     # --------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Give every page back, remove the ledger row. Idempotent."""
@@ -416,7 +441,12 @@ class KVCache(Closeable):
         self._closed = True
         if os.getpid() != self._pid:
             return  # a forked child: the pages and the ledger row are the parent's
-        self._held.close()  # newest first (Note [what a cache holds])
+        try:
+            if self._fixed[0]:
+                self.account.refund(self._fixed[0])
+                self._fixed[0] = 0
+        finally:
+            self._held.close()  # newest first (Note [what a cache holds])
 
 
 def start_engine_cache(cache: KVCache, first_block: str) -> PageAllocator:

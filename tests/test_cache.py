@@ -99,6 +99,30 @@ def test_limit_set_through_the_cache_reaches_the_allocator(backend: HostBackend)
         assert cache.alloc(512) is None  # a second page id would pass the limit
 
 
+def test_memory_held_outside_the_groups_counts_against_the_limit(backend: HostBackend) -> None:
+    # an engine's own state pool (SGLang's Mamba states) charged to the instance's row:
+    # the allocators' free count must leave it out, or the engine would be promised
+    # blocks the ledger then refuses
+    with KVCache(LAYERS, block_size=16, name="f", backend=backend, **QUIET) as cache:
+        page_id = 16 * MiB  # every layer's K and V page: 512 blocks of 16 tokens
+        cache.set_limit(3 * page_id)
+        allocator = cache.allocators[0]
+        assert allocator.obtainable_blocks() == 3 * 512
+        assert cache.charge_fixed(page_id + MiB)
+        assert cache.fixed_bytes == page_id + MiB
+        assert allocator.obtainable_blocks() == 512  # one whole page id is left
+        assert cache.alloc(512) is not None
+        assert allocator.obtainable_blocks() == 0
+        assert cache.alloc(1) is None  # refused as counted, not by a surprised ledger
+        row = next(r for r in _ledger(backend).rows() if r.name == "f")
+        assert row.reserved == 2 * page_id + MiB
+        assert not cache.charge_fixed(page_id)  # past the limit: nothing charged
+        assert cache.fixed_bytes == page_id + MiB
+        with pytest.raises(InvalidArgument, match=">= 0"):
+            cache.charge_fixed(-1)
+    assert _ledger(backend).rows() == []  # closing refunded the fixed bytes and the row
+
+
 def test_a_taken_name_is_refused_and_leaks_nothing(backend: HostBackend) -> None:
     with KVCache(LAYERS, block_size=16, name="same", backend=backend, **QUIET):
         reservations_before = backend.live_counts

@@ -69,7 +69,7 @@ class SglangInstance:
         #: SGLang's last usable page id (the rounding up to whole page ids is not)
         self.last_page = geometry.pages - 1
         self._owned = owned  # closed after the cache (a replica, a recording backing)
-        #: memory SGLang holds beside the KV pool, charged to the row for the whole life
+        #: memory SGLang holds beside the KV pool, charged to the row (`KVCache.charge_fixed`)
         self.fixed_bytes = fixed_bytes
         self.closed = False
         self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
@@ -88,9 +88,7 @@ class SglangInstance:
             if callable(stop):
                 stop()  # no rank waits for the others any more
             if self.cache is not None:
-                if self.fixed_bytes:
-                    self.cache.account.refund(self.fixed_bytes)
-                self.cache.close()
+                self.cache.close()  # its fixed charge (the state pool's) too
         finally:
             for thing in self._owned:
                 thing.close()
@@ -103,13 +101,13 @@ def _charge_fixed(cache: KVCache, allocator: PageAllocator, nbytes: int) -> bool
     """Charge `nbytes` to the instance's row. Memory SGLang holds already comes before
     pages mapped ahead of demand: the pool thread may have mapped some since the cache
     started, so a charge that fails is tried once more after they are given back."""
-    if cache.account.try_charge(nbytes):
+    if cache.charge_fixed(nbytes):
         return True
     allocator.pause_growth()
     try:
         allocator.trim(keep=0)
         allocator.wait_released()
-        return cache.account.try_charge(nbytes)
+        return cache.charge_fixed(nbytes)
     finally:
         allocator.resume_growth()
 

@@ -21,9 +21,12 @@ things about it:
   hold at most (its KVCACHED_INSTANCE_LIMIT, else the budget). SGLang's own
   `_handle_max_mamba_cache` then applies the size, so its checks and log lines stay.
 * its charge. The state's bytes are charged to the instance's ledger row when the
-  instance starts, for its whole life (`instance.single`), so the budget and the
-  other instances see the device's memory as it is, and the instance's limit bounds
-  KV and state together; a budget or limit without room for them refuses at start-up.
+  instance starts, for its whole life (`KVCache.charge_fixed`, from `instance.single`),
+  so the budget and the other instances see the device's memory as it is, and the
+  instance's limit bounds KV and state together: the KV allocator's free count leaves
+  the state out of the limit, so SGLang is never promised pages the ledger refuses
+  (an allocation SGLang was promised and does not get raises in its scheduler). A
+  budget or limit without room for the state refuses at start-up.
 
 `MambaRadixCache` evicts in its own LRU order (it has no eviction strategy to swap
 and no `evictable_leaves`), and its `evictable_size()` raises; `eviction.py` uses its
