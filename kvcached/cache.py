@@ -419,12 +419,24 @@ class KVCache(Closeable):
         allocated itself, e.g. SGLang's Mamba state pool) to its ledger row, until the
         cache closes; False, charging nothing, when the limit or the budget has no room.
         The row's limit then bounds both: the allocators' share of it leaves them out,
-        so their free counts never promise what the ledger would refuse."""
+        so their free counts never promise what the ledger would refuse. Memory the
+        engine holds already comes before pages mapped ahead of demand: a charge that
+        fails is tried once more after the pool threads' empty extents are given back."""
         self._check_own_process()
         if nbytes < 0:
             raise InvalidArgument(f"charge_fixed takes a byte count >= 0, got {nbytes}")
         if not self.account.try_charge(nbytes):
-            return False
+            for allocator in self.allocators:
+                allocator.pause_growth()
+            try:
+                for allocator in self.allocators:
+                    allocator.trim(keep=0)
+                    allocator.wait_released()
+                if not self.account.try_charge(nbytes):
+                    return False
+            finally:
+                for allocator in self.allocators:
+                    allocator.resume_growth()
         self._fixed[0] += nbytes
         return True
 

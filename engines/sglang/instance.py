@@ -58,7 +58,6 @@ class SglangInstance:
         allocator: PageAllocator | None,
         capacity: Any,
         owned: tuple[Any, ...] = (),
-        fixed_bytes: int = 0,
     ) -> None:
         self.geometry = geometry
         self.backing = backing  # the views SGLang's kernels use are over this
@@ -69,8 +68,6 @@ class SglangInstance:
         #: SGLang's last usable page id (the rounding up to whole page ids is not)
         self.last_page = geometry.pages - 1
         self._owned = owned  # closed after the cache (a replica, a recording backing)
-        #: memory SGLang holds beside the KV pool, charged to the row (`KVCache.charge_fixed`)
-        self.fixed_bytes = fixed_bytes
         self.closed = False
         self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
         self.tree_cache: Any = None  # the scheduler's radix cache, once seen (lifecycle.py)
@@ -88,28 +85,13 @@ class SglangInstance:
             if callable(stop):
                 stop()  # no rank waits for the others any more
             if self.cache is not None:
-                self.cache.close()  # its fixed charge (the state pool's) too
+                self.cache.close()  # its fixed charge (a Mamba state pool's) too
         finally:
             for thing in self._owned:
                 thing.close()
 
     def __repr__(self) -> str:
         return f"SglangInstance({self.name}, {self.capacity!r})"
-
-
-def _charge_fixed(cache: KVCache, allocator: PageAllocator, nbytes: int) -> bool:
-    """Charge `nbytes` to the instance's row. Memory SGLang holds already comes before
-    pages mapped ahead of demand: the pool thread may have mapped some since the cache
-    started, so a charge that fails is tried once more after they are given back."""
-    if cache.charge_fixed(nbytes):
-        return True
-    allocator.pause_growth()
-    try:
-        allocator.trim(keep=0)
-        allocator.wait_released()
-        return cache.charge_fixed(nbytes)
-    finally:
-        allocator.resume_growth()
 
 
 def single(
@@ -120,7 +102,7 @@ def single(
     backing = geometry.backing(backend)
     cache = KVCache(layout=backing, name=name, engine="sglang", backend=backend)
     allocator = start_engine_cache(cache, "SGLang's padding page")
-    if fixed_bytes and not _charge_fixed(cache, allocator, fixed_bytes):
+    if fixed_bytes and not cache.charge_fixed(fixed_bytes):
         row = cache.account
         limit = row.limit
         headroom = row.headroom() if limit is None else min(row.headroom(), limit - row.reserved)
@@ -134,14 +116,7 @@ def single(
     capacity = ElasticCapacity(
         allocator, last_page=geometry.pages - 1, page_size=geometry.page_size
     )
-    return SglangInstance(
-        geometry,
-        backing,
-        cache=cache,
-        allocator=allocator,
-        capacity=capacity,
-        fixed_bytes=fixed_bytes,
-    )
+    return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
 
 
 #: this process's instance, and the model SGLang's sizing step saw (`sizing.py`)
