@@ -111,9 +111,12 @@ def engine_options(a: argparse.Namespace, *, kvcached: bool) -> dict[str, Any]:
         options["attention_backend"] = a.attention_backend
     if kvcached and a.one_kv_pool:  # SGLang alone keeps its own two pools
         options["disable_hybrid_swa_memory"] = True
-    if is_composite(a.model):
-        options["enable_multimodal"] = False  # text only: no processor is loaded
-    overrides = config_overrides(a.model)
+    config = checkpoint_config(a.model)
+    if "vision_config" in config:
+        # a vision-language checkpoint (Qwen3.5's published class): the matrix runs its
+        # text model only, as on vLLM, so SGLang loads no image processor for it
+        options["enable_multimodal"] = False
+    overrides = config_overrides(config)
     if overrides:
         options["json_model_override_args"] = json.dumps(overrides)
     return options
@@ -143,7 +146,8 @@ def gemma4_text_overrides(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _config(model: str) -> dict[str, Any]:
+def checkpoint_config(model: str) -> dict[str, Any]:
+    """The checkpoint's config.json ({} when there is none to read)."""
     try:
         with open(os.path.join(model, "config.json")) as f:
             found: dict[str, Any] = json.load(f)
@@ -152,15 +156,8 @@ def _config(model: str) -> dict[str, Any]:
     return found
 
 
-def is_composite(model: str) -> bool:
-    """A vision-language checkpoint (Qwen3.5's published class): the matrix runs its
-    text model only, as on vLLM, so SGLang needs no image processor for it."""
-    return "vision_config" in _config(model)
-
-
-def config_overrides(model: str) -> dict[str, Any]:
-    """Model overrides SGLang needs for the checkpoint in `model` (none for most)."""
-    config = _config(model)
+def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """Model overrides SGLang needs for a checkpoint's `config` (none for most)."""
     if config.get("model_type") == "gemma4_text":
         return gemma4_text_overrides(config)
     return {}
