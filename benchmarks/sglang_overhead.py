@@ -318,13 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def corrupt() -> None:
             batch("on", "before_corrupt")  # the radix cache holds these prompts now
-            done = Path(f"{trigger}.done")  # the hook writes the pages it changed here
-            done.unlink(missing_ok=True)
-            trigger.touch()
-            deadline = time.monotonic() + 60.0  # the idle scheduler runs the hook >= 1/s
-            while not done.exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            pages = int(done.read_text()) if done.exists() else 0
+            pages = kvcached_corrupt_kv.pull(trigger, timeout=60.0)
             if pages < 2:
                 raise RuntimeError(
                     f"the corruption hook changed {pages} KV pages (it needs at least 2 "

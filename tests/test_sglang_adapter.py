@@ -551,6 +551,24 @@ def test_the_test_plugin_corrupts_the_held_kv_once_and_records_it(
         found.close()
 
 
+def test_pulling_the_trigger_waits_for_the_hooks_record(
+    corrupt_plugin: Any, tmp_path: Path
+) -> None:
+    import threading
+
+    trigger = tmp_path / "corrupt-now"
+    Path(f"{trigger}.done").write_text("99")  # a stale record of an earlier pull
+
+    def scheduler() -> None:  # the hook's side: sees the trigger, writes its record
+        while not trigger.exists():
+            threading.Event().wait(0.01)
+        Path(f"{trigger}.done").write_text("12")
+
+    threading.Thread(target=scheduler, daemon=True).start()
+    assert corrupt_plugin.pull(trigger, timeout=30.0) == 12
+    assert corrupt_plugin.pull(tmp_path / "never", timeout=0.3) == 0  # no record: 0
+
+
 def test_each_kv_buffer_sglang_gets_is_a_storage_of_its_own() -> None:
     # as SGLang's own torch.zeros buffers are: an engine or connector that reads a
     # buffer's storage (its offset, its size, its address) must see that buffer only

@@ -190,14 +190,12 @@ def arm_corruption() -> Path:
 
 def corrupt_when_idle(trigger: Path) -> int:
     """Pull the trigger and wait for the plugin's record: the KV pages it changed."""
-    trigger.touch()
-    done = Path(str(trigger) + ".done")
-    deadline = time.monotonic() + CORRUPT_WAIT_S
-    while not done.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the corrupting plugin did not run within {CORRUPT_WAIT_S:.0f} s")
-        time.sleep(0.2)
-    return int(done.read_text())
+    import kvcached_corrupt_kv  # on the path since arm_corruption
+
+    pages: int = kvcached_corrupt_kv.pull(trigger, timeout=CORRUPT_WAIT_S)
+    if pages == 0:
+        raise SystemExit(f"the corrupting plugin did not run within {CORRUPT_WAIT_S:.0f} s")
+    return pages
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,8 +19,8 @@ corrupted cached prefixes and must produce different tokens. The value says when
 ``1`` at the first such moment, a file path as soon as that file exists (so a
 benchmark can compare first and corrupt afterwards in the same engine). With a file
 path the hook writes how many pages it changed to that path plus ``.done``: the
-benchmark waits for that record instead of guessing when the scheduler goes idle, and
-a corruption that touched nothing is a failed check, not a quiet pass.
+caller waits for that record (`pull`) instead of guessing when the scheduler goes
+idle, and a corruption that touched nothing is a failed check, not a quiet pass.
 
 benchmarks/sglang_overhead.py (its ``corrupt`` step) uses it on the H200.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,19 @@ def maybe_corrupt() -> int:
             record.write(str(touched))
         os.replace(trigger + ".part", trigger + ".done")  # never seen half written
     return touched
+
+
+def pull(trigger: Path, timeout: float) -> int:
+    """The caller's side of a file trigger: pull it and wait up to `timeout` seconds for
+    the scheduler's record; the KV pages the hook changed (0 when no record came: the
+    scheduler never went idle with cached KV, or the hook failed)."""
+    done = Path(f"{trigger}.done")
+    done.unlink(missing_ok=True)
+    trigger.touch()
+    deadline = time.monotonic() + timeout  # the idle scheduler runs the hook >= 1/s
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return int(done.read_text()) if done.exists() else 0
 
 
 def corrupt_mapped_pages(found: Any) -> int:
