@@ -219,7 +219,13 @@ ARCHITECTURES: dict[str, Architecture] = {
                 },
             },
             why_hard="3 Gated DeltaNet layers (no KV, a state cache) to 1 attention layer",
-            common={"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
+            # SGLang's Qwen3.5 config reads the pattern from full_attention_interval, as
+            # its Qwen3-Next one does (the published text_config has both)
+            common={
+                "model_type": "qwen3_5_text",
+                "architectures": ["Qwen3_5ForCausalLM"],
+                "full_attention_interval": 4,
+            },
             real={
                 "hidden_size": 4096,
                 "intermediate_size": 12288,

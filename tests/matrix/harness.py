@@ -379,13 +379,24 @@ def run_row(
         cell["corruption"] = (
             corruption_verdict(corrupted, baseline["runs"][0])
             if corrupted["ok"]
-            else {"error": corrupted["error"]}
+            else {"error": _out_of_time(corrupted["error"], timeout)}
         )
     return {
         **row,
         **cell,
         "seconds": {"baseline": baseline["seconds"], "kvcached": with_kvcached["seconds"]},
     }
+
+
+def _out_of_time(error: str, timeout: float) -> str:
+    """A run the row's time bound killed says so (the row's figures stand; the run needs
+    a command with more time), any other error as it came."""
+    if not error.startswith("TimeoutError: no result"):
+        return error
+    return (
+        f"out of time: the row's {timeout:.0f} s ran out during this run ({error}); "
+        "run the row alone or with a later DEADLINE"
+    )
 
 
 def engine_label(gpu: bool, engine: str = "vllm") -> str:
