@@ -982,6 +982,23 @@ class PageAllocator(Closeable):
         """Physical bytes held (what the account is charged), growth in flight excluded."""
         return self._reserved
 
+    def mapped_free_blocks(self) -> int:
+        """Blocks `alloc` could hand out with no new charge: the free blocks of mapped
+        pages and of growth in flight (`obtainable_blocks` before the limit's room).
+        With `committed_bytes`, what an engine that draws on several allocators of one
+        instance needs to split the instance's room between them."""
+        with self._lock:
+            if self._closed:
+                return 0
+            return self._book.available + self._inflight_pages * self._bpp
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes held or being mapped, less those being released: what this allocator
+        counts against the limit when it plans growth."""
+        with self._lock:
+            return self._reserved + self._inflight - self._releasing
+
     @property
     def used_blocks(self) -> int:
         return len(self._book.used)

@@ -23,6 +23,7 @@ constructor checks both and says which number to change when they do not hold.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -166,3 +167,46 @@ class BackingBuffer(Closeable):
             f"BackingBuffer({g.name}: {self.nbytes} bytes, {len(g.segments)} segment(s) of "
             f"{g.num_blocks} blocks x {g.block_bytes} bytes, page id {g.page_bytes} bytes)"
         )
+
+
+class BackingSet(Closeable):
+    """Several engine-placed buffers as one cache layout: buffer `i` is group `i`, with
+    page ids of its own. For an engine that keeps two pools of different geometry side
+    by side and indexes each on its own (SGLang's hybrid sliding-window models: one
+    pool for the full-attention layers, one for the window layers): one `KVCache` over
+    the set gives each pool its own allocator, all charging the instance's one ledger
+    row. Closing the set closes every buffer.
+
+    Arguments:
+        buffers: the `BackingBuffer`s, over one backend, in group order; the set owns
+            them from the call on (closed also when the arguments are refused).
+    """
+
+    def __init__(self, buffers: Sequence[BackingBuffer]) -> None:
+        self.buffers = tuple(buffers)
+        self._closed = False
+        if not self.buffers:
+            raise InvalidArgument("a BackingSet needs at least one BackingBuffer")
+        backends = {id(buffer.backend) for buffer in self.buffers}
+        if len(backends) != 1:
+            self.close()
+            raise InvalidArgument("the buffers of a BackingSet must share one backend")
+        self.backend = self.buffers[0].backend
+        self._groups = tuple(
+            dataclasses.replace(buffer.group, index=i) for i, buffer in enumerate(self.buffers)
+        )
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        return self._groups
+
+    def close(self) -> None:
+        """Free every buffer's reservation (their pages must have been unmapped)."""
+        if self._closed:
+            return
+        self._closed = True
+        for buffer in self.buffers:
+            buffer.close()
+
+    def __repr__(self) -> str:
+        return f"BackingSet({', '.join(repr(buffer) for buffer in self.buffers)})"

@@ -52,7 +52,7 @@ from typing import Any, overload
 from kvcached import metrics
 from kvcached.allocator import PageAllocator
 from kvcached.backend import Backend
-from kvcached.backing import BackingBuffer
+from kvcached.backing import BackingBuffer, BackingSet
 from kvcached.config import parse_size, settings
 from kvcached.errors import InvalidArgument
 from kvcached.layout import KVLayout, LayerSpec, Part, check_granularity
@@ -60,10 +60,11 @@ from kvcached.ledger import Ledger, LedgerAccount, check_usable, ledger_key
 from kvcached.lifetime import Closeable
 
 #: Where a `KVCache`'s blocks live: a `KVLayout` (kvcached places every layer's blocks;
-#: the cache builds it from `layers`) or a `BackingBuffer` (the engine placed them; it
-#: is handed in as `layout=`). Both give the allocators their page-id `groups`, and
-#: `close()` frees their reservations.
-CacheLayout = KVLayout | BackingBuffer
+#: the cache builds it from `layers`), a `BackingBuffer` (the engine placed them; it
+#: is handed in as `layout=`) or a `BackingSet` (several such buffers, a group each).
+#: All give the allocators their page-id `groups`, and `close()` frees their
+#: reservations.
+CacheLayout = KVLayout | BackingBuffer | BackingSet
 
 
 def open_device_ledger(
@@ -269,7 +270,7 @@ class KVCache(Closeable):
         self.other_rows: list[tuple[Ledger, LedgerAccount]] = []
         if layout is not None and not isinstance(layout, CacheLayout):
             raise InvalidArgument(
-                f"KVCache(layout=...) takes a KVLayout or a BackingBuffer, got "
+                f"KVCache(layout=...) takes a KVLayout, a BackingBuffer or a BackingSet, got "
                 f"{type(layout).__name__}"
             )
         # Note [what a cache holds]: every step below pushes what it took on `held`

@@ -50,4 +50,5 @@ run() {  # run BUDGET PROGRAM ARGS...: one program in a fresh process and ledger
 run 4GiB pool_allocator_radix.py 1 cpu
 run 4GiB pool_allocator_radix.py 16 cpu
 run 6MiB mamba_hybrid.py cpu  # less than the attention pool's 8 MiB, as on the H200
+run 96MiB swa_hybrid.py cpu  # less than the two pools' 144 MiB, more than either's
 exit "$status"

@@ -23,7 +23,7 @@ import pytest
 from kvcached import cache as cache_module
 from kvcached.allocator import PageAllocator
 from kvcached.backends.host import HostBackend
-from kvcached.backing import BackingBuffer
+from kvcached.backing import BackingBuffer, BackingSet
 from kvcached.cache import KVCache
 from kvcached.errors import InvalidArgument
 from kvcached.layout import KVLayout, LayerSpec
@@ -243,7 +243,9 @@ def _labels(taken: Taken) -> list[tuple[str, Any]]:
 
 # ------------------------------------------------------------ the layout argument
 def test_a_layout_that_is_neither_kind_is_refused_naming_both(backend: HostBackend) -> None:
-    with pytest.raises(InvalidArgument, match="takes a KVLayout or a BackingBuffer, got dict"):
+    with pytest.raises(
+        InvalidArgument, match="takes a KVLayout, a BackingBuffer or a BackingSet, got dict"
+    ):
         KVCache(layout={"groups": ()}, name="odd", backend=backend)  # type: ignore[call-overload]
     assert _rows_named(backend, "cpu", "odd") == []
 
@@ -284,6 +286,33 @@ def test_a_layout_without_a_backend_uses_the_layouts(backend: HostBackend) -> No
         with pytest.raises(InvalidArgument, match=r"no per-layer views: .*layout\.raw\(\)"):
             cache.view(0, "k")
     assert given.closed
+
+
+def test_a_backing_set_gives_each_buffer_a_group_charging_one_row(backend: HostBackend) -> None:
+    """SGLang's hybrid sliding-window pools: two buffers of other geometries, each
+    indexed on its own, in one instance (one ledger row)."""
+    g = backend.granularity
+    full = _backing(backend)
+    window = BackingBuffer(
+        backend, nbytes=8 * g, num_blocks=8, block_bytes=g // 2, segment_offsets=[0, 4 * g]
+    )
+    with KVCache(layout=BackingSet([full, window]), name="pair", pool_low=0, pool_high=0) as cache:
+        assert [group.index for group in cache.layout.groups] == [0, 1]
+        assert [a.group.block_bytes for a in cache.allocators] == [g, g // 2]
+        assert cache.alloc(1) == [0] and cache.alloc(3, group=1) == [0, 1, 2]
+        held = [a.reserved_bytes for a in cache.allocators]
+        assert held[0] >= g and held[1] >= 2 * g  # one page id of one segment; two of two
+        assert cache.account.reserved == cache.reserved_bytes == sum(held)
+    assert full.closed and window.closed and backend.live_counts == (0, 0)
+    assert _rows_named(backend, "cpu", "pair") == []
+
+
+def test_a_backing_set_over_two_backends_is_refused_and_closed(backend: HostBackend) -> None:
+    with HostBackend(budget="64MiB") as other:
+        mine, theirs = _backing(backend), _backing(other)
+        with pytest.raises(InvalidArgument, match="share one backend"):
+            BackingSet([mine, theirs])
+        assert mine.closed and theirs.closed
 
 
 def test_neither_layers_nor_a_layout_is_refused(backend: HostBackend) -> None:

@@ -158,16 +158,24 @@ def test_the_tables_name_everything_the_adapter_imports_and_every_private_name()
 
 def test_the_class_swap_and_the_methods_it_overrides_are_in_the_table() -> None:
     from kvcached.engines.sglang.allocator import _SERVED, ElasticAllocator
+    from kvcached.engines.sglang.swa import ElasticSWAAllocator
 
     swaps = {c.target.rsplit(".", 1)[1] for c in shims.CONTACTS if c.how == "swaps"}
-    assert set(_SERVED) <= swaps  # `__class__` of each served allocator is swapped
-    overridden = {c.target.rsplit(".", 1)[1] for c in shims.CONTACTS if c.how == "overrides"}
-    sglangs = {
-        name
-        for name, value in vars(ElasticAllocator).items()
-        if callable(value) and not name.startswith("_")
-    } - {"attach", "stock_pages", "give_back_stock"}  # the adapter's own methods
-    assert sglangs == overridden
+    # `__class__` of each served allocator is swapped
+    assert {*_SERVED, "SWATokenToKVPoolAllocator"} <= swaps
+    own = {"attach", "stock_pages", "give_back_stock"}  # the adapter's own methods
+    for mixin, used_in in ((ElasticAllocator, "allocator.py"), (ElasticSWAAllocator, "swa.py")):
+        overridden = {
+            c.target.rsplit(".", 1)[1]
+            for c in shims.CONTACTS
+            if c.how == "overrides" and c.used_in == used_in
+        }
+        sglangs = {
+            name
+            for name, value in vars(mixin).items()
+            if callable(value) and not name.startswith("_")
+        } - own
+        assert sglangs == overridden, mixin
 
 
 def test_the_table_agrees_with_the_facts_recorded_from_sglang_0_5_16() -> None:
@@ -730,6 +738,7 @@ def test_a_cache_without_evictable_leaves_evicts_in_its_own_order(
     @dataclasses.dataclass
     class EvictParams:
         num_tokens: int = 0
+        swa_num_tokens: int = 0
         mamba_num: int = 0
 
     module = types.ModuleType("sglang.srt.mem_cache.base_prefix_cache")
@@ -744,6 +753,9 @@ def test_a_cache_without_evictable_leaves_evicts_in_its_own_order(
 
         def supports_mamba(self) -> bool:
             return True
+
+        def supports_swa(self) -> bool:
+            return False
 
         def evictable_size(self) -> int:
             raise NotImplementedError  # as SGLang's: tokens and state slots apart
@@ -776,10 +788,129 @@ def test_a_cache_without_evictable_leaves_evicts_in_its_own_order(
     assert eviction.evictable_tokens(PlainTree()) == 120
     assert eviction.evictable_tokens(tree) == 300
 
+    class WindowTree(PlainTree):
+        # UnifiedRadixCache of a hybrid sliding-window model: full and window tokens
+        # evicted apart; a full token given back frees its window slot too
+        def supports_swa(self) -> bool:
+            return True
 
-def test_a_sliding_window_hybrid_is_refused_naming_the_one_pool_option() -> None:
-    from kvcached.engines.sglang import sizing
+        def swa_evictable_size(self) -> int:
+            return 40
 
-    with pytest.raises(refusals.Refused, match="--disable-hybrid-swa-memory"):
-        sizing.check_model(SimpleNamespace(is_hybrid_swa=True, mambaish_config=None))
-    sizing.check_model(SimpleNamespace(is_hybrid_swa=False, mambaish_config=None))  # one pool
+    window_tree = WindowTree()
+    assert eviction.give_back(window_tree, allocator, tokens=None) == (120, 7)
+    assert eviction.give_back(window_tree, allocator, tokens=10) == (10, 7)
+    assert window_tree.asked == [
+        EvictParams(num_tokens=120, swa_num_tokens=40),
+        EvictParams(num_tokens=10, swa_num_tokens=10),
+    ]
+
+
+def test_sliding_window_hybrids_are_served_with_one_rank_and_refused_with_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcached.engines.sglang import sizing, tensor_parallel
+
+    model = SimpleNamespace(is_hybrid_swa=True, mambaish_config=None)
+    monkeypatch.setattr(tensor_parallel, "sglang_channel", lambda: None)
+    sizing.check_model(model)  # one rank: both pools served (swa.py)
+    monkeypatch.setattr(tensor_parallel, "sglang_channel", lambda: object())
+    with pytest.raises(refusals.Refused, match=r"tensor parallelism.*--disable-hybrid-swa-memory"):
+        sizing.check_model(model)
+
+
+# ------------------------------------------------------ hybrid sliding-window models
+def test_joint_growth_never_promises_one_byte_to_two_pools() -> None:
+    from kvcached.engines.sglang.capacity import joint_growth_pages
+
+    mib = 1 << 20
+    # two pools whose page id is 12 MiB over 8192 SGLang pages: a page costs 3 KiB in both
+    costs = [(12 * mib, 8192), (12 * mib, 8192)]
+    assert joint_growth_pages(72 * mib, costs) == 16384  # (72 - 2 x 12) MiB / 3 KiB
+    assert joint_growth_pages(24 * mib, costs) == 0  # only the page-id margin is left
+    assert joint_growth_pages(0, costs) == 0
+    # pools of other widths (Gemma 4: the full layers' pages cost more)
+    uneven = [(16 * mib, 4096), (4 * mib, 8192)]
+    pages = joint_growth_pages(100 * mib, uneven)
+    assert pages * (16 * mib / 4096 + 4 * mib / 8192) <= 80 * mib
+    assert (pages + 1) * (16 * mib / 4096 + 4 * mib / 8192) > 80 * mib
+
+
+def _hybrid(budget: str) -> instance.SglangInstance:
+    """A hybrid instance over two buffers of the same width: the full-attention pool of
+    64 Ki slots, the window pool of 32 Ki, 6 segments of 256-byte rows each."""
+    import os
+
+    from kvcached.config import reload_settings
+
+    os.environ["KVCACHED_BUDGET"] = budget
+    reload_settings()
+    backend = HostBackend()
+    full = PoolGeometry(segments=6, rows=65537, row_bytes=256, page_size=1)
+    window = PoolGeometry(segments=6, rows=32769, row_bytes=256, page_size=1)
+    return instance.hybrid(
+        (full, full.backing(backend)), (window, window.backing(backend)), backend, name="swa"
+    )
+
+
+def test_a_hybrid_instance_splits_its_room_between_the_pools_it_counts_free(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.engines.sglang.capacity import HybridCapacity
+
+    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")  # nothing mapped ahead: exact figures
+    found = _hybrid("96MiB")
+    try:
+        capacity, window = found.capacity, found.window
+        assert isinstance(capacity, HybridCapacity) and window is not None
+        cache = found.cache
+        assert cache is not None and [a.used_blocks for a in cache.allocators] == [1, 1]
+        assert cache.account.reserved == 24 << 20  # each pool's padding page id
+        full_free, window_free = capacity.free_pages(0, 0)
+        # the rest of each padding page id (8191 slots) plus 48 of the 72 MiB left, in
+        # slots that cost 1.5 KiB in each pool
+        assert (full_free, window_free) == (8191 + 16384, 8191 + 16384)
+        # what was counted is there, in both pools (each pool alone counted 57,343)
+        assert capacity.take(full_free) is not None
+        assert window.capacity.take(window_free) is not None
+        assert capacity.free_pages(0, 0) == (0, 0)
+        # under a limit, the pools share the limit's room, not each the whole of it
+        cache.set_limit(cache.account.reserved)
+        capacity.recount()
+        window.capacity.recount()
+        assert capacity.free_pages(3, 5) == (3, 5)  # only the stocks
+        # over the limit: both pools' bytes count (the policy gives back from both)
+        cache.set_limit(60 << 20)
+        assert capacity.over_limit() == cache.reserved_bytes - (60 << 20) > 0
+        assert capacity.bytes_per_token == 2 * 6 * 256
+    finally:
+        found.close()
+
+
+def test_a_hybrid_instance_is_one_ledger_row_and_closes_both_pools(ledger_env: Path) -> None:
+    found = _hybrid("96MiB")
+    cache = found.cache
+    assert cache is not None and found.window is not None
+    rows = [row.name for row in cache.ledger.rows()]
+    assert rows.count("swa") == 1
+    found.close()
+    assert found.backing.closed and found.window.backing.closed
+
+
+def test_a_hybrid_instance_without_a_limit_is_bounded_by_the_budget_not_one_pools_size(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # both pools full: 144 MiB held under a 256 MiB budget, more than the full pool's
+    # own range (96 MiB), which is no limit of the instance's
+    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")
+    found = _hybrid("256MiB")
+    try:
+        capacity, window = found.capacity, found.window
+        assert window is not None
+        full_free, window_free = capacity.free_pages(0, 0)
+        assert (full_free, window_free) == (65536, 32768)  # every slot of both pools
+        assert capacity.take(full_free) is not None
+        assert window.capacity.take(window_free) is not None
+        assert capacity.over_limit() == 0 and not capacity.under_pressure()
+    finally:
+        found.close()

@@ -43,3 +43,12 @@ def test_a_hybrid_mamba_models_pools_pass_sglangs_idle_check_under_a_small_budge
     # 6 MiB: less than the attention pool's 8 MiB of virtual slots, as on the H200
     done = _run("mamba_hybrid.py", "cuda", tmp_path=tmp_path, budget="6MiB")
     assert "MAMBA-REAL-SGLANG-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_a_sliding_window_hybrids_two_pools_split_one_budget_and_pass_sglangs_checks(
+    tmp_path: Path,
+) -> None:
+    # 96 MiB: less than the two pools' 144 MiB of virtual slots together, more than
+    # either pool's alone, so the free counts must split the room between them
+    done = _run("swa_hybrid.py", "cuda", tmp_path=tmp_path, budget="96MiB")
+    assert "SWA-REAL-SGLANG-OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]

@@ -14,6 +14,8 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
   reservation (slot 0's page always mapped).
 * `mamba.py`: a hybrid Mamba model's state pool, SGLang's own, sized from the request
   count and charged to the instance's ledger row.
+* `swa.py`: a hybrid sliding-window model's two KV pools, both elastic in one instance,
+  their free counts splitting the budget between them.
 * `allocator.py`: SGLang's token and paged allocators hand out only mapped slots and
   count as free what kvcached can really supply, so running out of memory becomes
   SGLang's own queueing and retraction; the idle invariant check follows it.
@@ -24,7 +26,8 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
   maps them (its decisions ride on SGLang's request broadcast).
 
 Targets SGLang 0.5.16, any tensor parallel size, MHA and MLA models with the plain
-token-to-KV pools (page size 1 or more), and hybrid Mamba models with one rank.
+token-to-KV pools (page size 1 or more), and hybrid Mamba and hybrid sliding-window
+models with one rank.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvcached.engines.sglang import instance
+from kvcached.engines.sglang import instance, swa
 from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.refusals import Refused
 
@@ -73,7 +73,9 @@ class ElasticAllocator:
     def stock_pages(self) -> int:
         return int(len(self.free_pages) + len(self.release_pages))
 
-    def _top_up(self, pages: int) -> bool:
+    def _top_up(self, pages: int, *, spare: bool = True) -> bool:
+        """At least `pages` pages in the stock; `spare`: and `TOP_UP_EXTRA` more when
+        kvcached has them at once."""
         import torch
 
         short = pages - len(self.free_pages)
@@ -82,7 +84,7 @@ class ElasticAllocator:
         capacity = self.kv_capacity
         extra = SHARED_TOP_UP_EXTRA if capacity.shared else TOP_UP_EXTRA
         ids = None
-        if capacity.obtainable() >= short + extra:
+        if spare and capacity.obtainable() >= short + extra:
             ids = capacity.take(short + extra, wait=0)
         if ids is None:
             ids = capacity.take(short)
@@ -213,8 +215,14 @@ def elastic_allocator(original: Any, configurator: Any, *args: Any, **kwargs: An
             "(the pool's buffers were not created through the adapter)"
         )
     name = type(built).__name__
+    if name == "SWATokenToKVPoolAllocator":  # a hybrid sliding-window model's pair
+        swa.make_elastic(built, found, elastic_class)
+        found.pool_allocator = built
+        log.info("kvcached: %s over %r", type(built).__name__, found.capacity)
+        return built
     if name not in _SERVED:
-        raise Refused(f"SGLang's {name} is not supported; the adapter serves {', '.join(_SERVED)}")
+        served = ", ".join((*_SERVED, "SWATokenToKVPoolAllocator"))
+        raise Refused(f"SGLang's {name} is not supported; the adapter serves {served}")
     if int(built.page_size) != found.geometry.page_size:
         raise Refused(f"allocator page size {built.page_size} != pool page size")
     built.__class__ = elastic_class(type(built))
@@ -228,8 +236,20 @@ def checks_elastic_capacity(original: Any, checker: Any, ps: Any, *args: Any, **
     """AROUND `SchedulerInvariantChecker._check_full_pool`: the total it checks against
     is the elastic capacity: what SGLang counted free plus what kvcached sees it hold.
     SGLang reads that total from `max_total_num_tokens`, or, for hybrid Mamba models,
-    from the allocator's `size`: both stand at the elastic total during the check."""
+    from the allocator's `size`, or, for hybrid sliding-window models, from
+    `full_tokens_per_layer` (their window pool: `swa.checks_window_capacity`): each
+    stands at the elastic total during the check."""
     allocator = checker.token_to_kv_pool_allocator
+    if swa.is_elastic_swa(allocator):  # a hybrid sliding-window pair: its full pool
+        full = allocator.full_attn_allocator
+        static = checker.full_tokens_per_layer
+        checker.full_tokens_per_layer = ps.full_available_size + full.kv_capacity.held_by_engine(
+            full.stock_pages()
+        )
+        try:
+            return original(checker, ps, *args, **kwargs)
+        finally:
+            checker.full_tokens_per_layer = static
     if not is_elastic(allocator):
         return original(checker, ps, *args, **kwargs)
     capacity = allocator.kv_capacity

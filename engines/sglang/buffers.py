@@ -10,6 +10,9 @@ reservation in exactly those shapes and dtypes: one segment per buffer, SGLang's
 in every layer at once. Addresses never move (kernels and CUDA graphs run unchanged);
 physical pages come and go under the views as the allocator hands out pages.
 
+A hybrid sliding-window model's `SWAKVPool` builds two such pools; each gets views of
+a reservation of its own, which `swa.py` puts into one instance once both exist.
+
 Only the plain layouts are served: NHD rows, K and V of one width. The pool's other
 attributes (data pointers, strides, descriptors) are SGLang's own code, run on the
 views afterwards.
@@ -20,14 +23,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvcached.engines.sglang import instance
+from kvcached.engines.sglang import instance, swa
 from kvcached.engines.sglang.geometry import PoolGeometry
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
 
 
-def _views(found: instance.SglangInstance, shapes: list[tuple[int, ...]], dtype: Any) -> list[Any]:
+def _views(found: Any, shapes: list[tuple[int, ...]], dtype: Any) -> list[Any]:
     """One view per segment, in the given shapes (rows first), over the reservation: each a
     tensor of its own whose storage begins where it does, as SGLang's own buffers' do
     (`BackingBuffer.part`; a slice of one tensor would share the reservation's storage)."""
@@ -44,13 +47,15 @@ def _model_name() -> str | None:
     return instance.slot.planned_model  # set by sizing.py in this scheduler process
 
 
-def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:
+def _start(pool: Any, segments: int, row_bytes: int) -> Any:
+    """This pool's memory: the process's instance, or inside a hybrid sliding-window
+    pool (`swa.py`) a reservation the instance takes over once both sub-pools exist."""
     from kvcached.registry import get_backend
 
     if instance.current() is not None:
         raise Refused(
-            "this SGLang process builds a second KV pool (hybrid or draft models); the "
-            "adapter serves models with one token-to-KV pool"
+            "this SGLang process builds a second KV pool (a draft model's); the adapter "
+            "serves one model's pools"
         )
     device = str(pool.device)
     ordinal = None
@@ -71,12 +76,23 @@ def _start(pool: Any, segments: int, row_bytes: int) -> instance.SglangInstance:
         row_bytes=row_bytes,
         page_size=int(pool.page_size),
     )
+    hybrid = swa.building()
+    if hybrid is not None:  # the padding page is mapped, and zeroed, by swa.py
+        return hybrid.add(geometry, backend)
     from kvcached.engines.sglang.tensor_parallel import sglang_channel, start_shared
 
     channel = sglang_channel()
     if channel is not None:  # a tensor-parallel rank: rank 0 decides, every rank maps
         return start_shared(geometry, backend, channel, model=_model_name())
     return instance.start(geometry, backend, model=_model_name())
+
+
+def _zero_padding(found: Any, views: list[Any], page_size: int) -> None:
+    """The padding page starts clean, as torch.zeros made it (once it is mapped: a
+    hybrid pool's sub-pools are mapped when both exist, `swa.py`)."""
+    if isinstance(found, instance.SglangInstance):
+        for view in views:
+            view[:page_size].zero_()
 
 
 def mha_buffers(original: Any, pool: Any) -> None:
@@ -98,10 +114,9 @@ def mha_buffers(original: Any, pool: Any) -> None:
     shape = (rows, pool.head_num, pool.head_dim)
     try:
         views = _views(found, [shape] * (2 * pool.layer_num), dtype)
-        for view in views:  # the padding page starts clean, as torch.zeros made it
-            view[: pool.page_size].zero_()
+        _zero_padding(found, views, pool.page_size)
     except BaseException:
-        instance.close()
+        instance.close()  # a hybrid pool's reservations: swa.py closes them
         raise
     pool.k_buffer = views[: pool.layer_num]
     pool.v_buffer = views[pool.layer_num :]
@@ -116,8 +131,7 @@ def mla_buffers(original: Any, pool: Any) -> None:
     shape = (found.geometry.rows, 1, pool.kv_cache_dim)
     try:
         views = _views(found, [shape] * pool.layer_num, dtype)
-        for view in views:
-            view[: pool.page_size].zero_()
+        _zero_padding(found, views, pool.page_size)
     except BaseException:
         instance.close()
         raise

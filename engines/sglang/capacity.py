@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from kvcached.allocator import PageAllocator
 from kvcached.engines.sglang.geometry import PADDING_PAGE
-from kvcached.supply import RACE_RETRY_S, ElasticSupply
+from kvcached.supply import PRESSURE_SHARE, RACE_RETRY_S, ElasticSupply
 
 
 class ElasticCapacity(ElasticSupply):
@@ -112,3 +112,110 @@ class ElasticCapacity(ElasticSupply):
     def page_id_tokens(self) -> int:
         """Tokens in one kvcached page id (the unit memory is given back in)."""
         return self.allocator.group.blocks_per_page * self.page_size
+
+
+# ---------------------------------------------------- two pools, one instance
+def joint_growth_pages(room: int, costs: list[tuple[int, int]]) -> int:
+    """Pages each of several pools may count beyond what it has mapped, when a new token
+    takes a slot in every pool at once (SGLang's hybrid sliding-window allocator hands
+    out a full-attention slot and a window slot together) and all of them draw on
+    `room` bytes of one instance's limit and budget. `costs`: per pool (bytes of one
+    kvcached page id, SGLang pages in it). Counting each pool's growth as the whole room
+    would promise the same bytes twice; this promises `g` pages in every pool with
+    g x (what a page costs in all pools) <= room, less one page id per pool (growth
+    comes in whole page ids)."""
+    spare = room - sum(page_id_bytes for page_id_bytes, _ in costs)
+    if spare <= 0:
+        return 0
+    per_page = sum(page_id_bytes / pages for page_id_bytes, pages in costs)
+    return int(spare // per_page)
+
+
+class HybridCapacity(ElasticCapacity):
+    """The full-attention pool's capacity of a hybrid sliding-window instance, which
+    also speaks for the window pool (`window`) wherever the reclaim policy (Note [One
+    reclaim policy]) looks at the instance as a whole: the bytes it holds over its
+    limit or under pressure are both pools' (one ledger row), a cached token given back
+    frees a slot in each, and empty extents go back from both."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        window: ElasticCapacity,
+        *,
+        last_page: int,
+        page_size: int,
+    ) -> None:
+        super().__init__(allocator, last_page=last_page, page_size=page_size)
+        self.window = window
+
+    def _held(self) -> int:
+        return self.allocator.reserved_bytes + self.window.allocator.reserved_bytes
+
+    def _limit(self) -> int | None:
+        """The instance's limit for its pools (the row's, less memory held outside
+        them), not one allocator's, whose own range would cap it at one pool's size."""
+        limit: int | None = self.allocator.account.limit
+        return limit
+
+    def over_limit(self) -> int:
+        limit = self._limit()
+        return 0 if limit is None else max(0, self._held() - limit)
+
+    def pressure_bytes(self) -> int:
+        unit = self.page_id_bytes
+        share = int(self._held() * PRESSURE_SHARE) // unit * unit
+        return max(unit, share)
+
+    def release_empty(self, *, wait: bool = True) -> None:
+        super().release_empty(wait=wait)
+        self.window.release_empty(wait=wait)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return super().bytes_per_token + self.window.bytes_per_token
+
+    def make_room(self) -> None:
+        """Give both pools' empty extents (pages mapped ahead of demand) back now, so
+        that the room the free counts split is free for either pool."""
+        allocators = (self.allocator, self.window.allocator)
+        for allocator in allocators:
+            allocator.pause_growth()
+        try:
+            for allocator in allocators:
+                allocator.trim(keep=0)
+                allocator.wait_released()
+        finally:
+            for allocator in allocators:
+                allocator.resume_growth()
+        self.recount()
+        self.window.recount()
+
+    def room(self) -> int:
+        """Bytes the instance may still map, both pools together: the smaller of the
+        device budget's headroom and what its limit leaves."""
+        full, window = self.allocator, self.window.allocator
+        headroom = full.account.headroom()
+        room = (1 << 62) if headroom is None else headroom  # None: no budget
+        limit = self._limit()
+        if limit is not None:
+            room = min(room, limit - full.committed_bytes - window.committed_bytes)
+        return max(0, room)
+
+    def free_pages(self, full_stock: int, window_stock: int) -> tuple[int, int]:
+        """SGLang's free counts of the two pools, in pages: each pool's stock, its mapped
+        free pages, and the growth `joint_growth_pages` allows every pool at once (never
+        more than the pool's own obtainable count or its unused page ids)."""
+        growth = joint_growth_pages(
+            self.room(),
+            [
+                (self.page_id_bytes, self.allocator.group.blocks_per_page),
+                (self.window.page_id_bytes, self.window.allocator.group.blocks_per_page),
+            ],
+        )
+        counts = []
+        for capacity, stock in ((self, full_stock), (self.window, window_stock)):
+            mapped = capacity.allocator.mapped_free_blocks()
+            extra = min(capacity.obtainable(), mapped + growth, capacity.unused_pages())
+            counts.append(stock + extra)
+        return counts[0], counts[1]

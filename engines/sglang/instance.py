@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvcached import config
 from kvcached.allocator import PageAllocator
-from kvcached.backing import BackingBuffer
+from kvcached.backing import BackingBuffer, BackingSet
 from kvcached.cache import KVCache, start_engine_cache
-from kvcached.engines.sglang.capacity import ElasticCapacity
+from kvcached.engines.sglang.capacity import ElasticCapacity, HybridCapacity
 from kvcached.engines.sglang.geometry import PoolGeometry
 from kvcached.engines.sglang.refusals import Refused
 from kvcached.supply import InstanceSlot
@@ -71,6 +72,8 @@ class SglangInstance:
         self.closed = False
         self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
         self.tree_cache: Any = None  # the scheduler's radix cache, once seen (lifecycle.py)
+        #: a hybrid sliding-window model's second pool (`swa.py`): the window layers'
+        self.window: WindowPool | None = None
 
     @property
     def name(self) -> str:
@@ -119,6 +122,59 @@ def single(
     return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
 
 
+@dataclass(frozen=True)
+class WindowPool:
+    """The sliding-window layers' pool of a hybrid model (`swa.py`): group 1 of the
+    instance's cache, page ids of its own, its own stock in SGLang's window allocator."""
+
+    geometry: PoolGeometry
+    backing: BackingBuffer
+    allocator: PageAllocator
+    capacity: ElasticCapacity
+
+
+def hybrid(
+    full: tuple[PoolGeometry, BackingBuffer],
+    window: tuple[PoolGeometry, BackingBuffer],
+    backend: Any,
+    *,
+    name: str,
+) -> SglangInstance:
+    """One rank's instance of a hybrid sliding-window model: one cache, one ledger row,
+    a group per pool (group 0 the full-attention layers', group 1 the window layers'),
+    each with its padding page pinned."""
+    # growth one page id at a time: a larger extent mapped for one pool could take the
+    # room the joint free counts promised the other (swa.py)
+    cache = KVCache(
+        layout=BackingSet([full[1], window[1]]),
+        name=name,
+        engine="sglang",
+        backend=backend,
+        extent_bytes=backend.granularity,
+    )
+    allocator = start_engine_cache(cache, "SGLang's padding page")
+    window_allocator = cache.allocators[1]
+    try:
+        if window_allocator.alloc_one() != 0:
+            raise Refused(
+                "kvcached could not map the window pool's padding page: the instance's "
+                "limit or the device budget has no room for one page id "
+                f"({window_allocator.group.page_id_bytes} bytes)"
+            )
+    except BaseException:
+        cache.close()
+        raise
+    window_capacity = ElasticCapacity(
+        window_allocator, last_page=window[0].pages - 1, page_size=window[0].page_size
+    )
+    capacity = HybridCapacity(
+        allocator, window_capacity, last_page=full[0].pages - 1, page_size=full[0].page_size
+    )
+    found = SglangInstance(full[0], full[1], cache=cache, allocator=allocator, capacity=capacity)
+    found.window = WindowPool(window[0], window[1], window_allocator, window_capacity)
+    return found
+
+
 #: this process's instance, and the model SGLang's sizing step saw (`sizing.py`)
 slot: InstanceSlot[SglangInstance] = InstanceSlot()
 
@@ -134,6 +190,17 @@ def start(geometry: PoolGeometry, backend: Any, *, model: str | None) -> SglangI
     """Create this process's instance (closing an earlier one)."""
     fixed = slot.planned_fixed_bytes
     return replace(lambda: single(geometry, backend, name=instance_name(model), fixed_bytes=fixed))
+
+
+def start_hybrid(
+    full: tuple[PoolGeometry, BackingBuffer],
+    window: tuple[PoolGeometry, BackingBuffer],
+    backend: Any,
+    *,
+    model: str | None,
+) -> SglangInstance:
+    """Create this process's instance of a hybrid sliding-window model (`hybrid`)."""
+    return replace(lambda: hybrid(full, window, backend, name=instance_name(model)))
 
 
 def current() -> SglangInstance | None:

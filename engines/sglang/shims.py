@@ -80,6 +80,8 @@ _POOLS = "sglang.srt.mem_cache.memory_pool"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
 _RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
+_SWA_POOL = "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool"
+_SWA_ALLOCATOR = "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
 
 SHIMS: tuple[Shim, ...] = (
     # start-up: unsupported options are refused before any process is spawned
@@ -104,6 +106,13 @@ SHIMS: tuple[Shim, ...] = (
         SUPPORTED,
         _hook("buffers", "mla_buffers"),
     ),
+    # swa.py: a hybrid sliding-window model's two pools, one instance over both
+    Shim(
+        "hybrid sliding-window pools",
+        f"{_SWA_POOL}.__init__",
+        SUPPORTED,
+        _hook("swa", "builds_both_pools"),
+    ),
     # allocator: SGLang's own allocator, made to hand out only mapped slots
     Shim(
         "token allocator",
@@ -117,6 +126,12 @@ SHIMS: tuple[Shim, ...] = (
         f"{_CHECKER}.SchedulerInvariantChecker._check_full_pool",
         SUPPORTED,
         _hook("allocator", "checks_elastic_capacity"),
+    ),
+    Shim(
+        "idle invariant check (the window pool)",
+        f"{_CHECKER}.SchedulerInvariantChecker._check_swa_pool",
+        SUPPORTED,
+        _hook("swa", "checks_window_capacity"),
     ),
     # upkeep on the scheduler's thread: while busy (limit, budget pressure) and idle
     Shim(
@@ -316,6 +331,85 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_BASE_ALLOCATOR}.size",  # a hybrid Mamba model's total
         ],
     ),
+    # swa.py: the two pools of a hybrid sliding-window model and their allocator
+    *_contacts(
+        "hybrid sliding-window pools",
+        "reads",
+        "swa.py",
+        [
+            f"{_SWA_POOL}.{name}"
+            for name in (
+                "full_kv_pool",
+                "swa_kv_pool",
+                "full_layer_nums",
+                "swa_layer_nums",
+                "size",
+                "size_swa",
+            )
+        ]
+        + [f"{_POOLS}.MHATokenToKVPool.{name}" for name in ("k_buffer", "v_buffer", "page_size")],
+    ),
+    Contact(
+        "hybrid sliding-window allocator (its class swapped for an elastic subclass)",
+        _SWA_ALLOCATOR,
+        SUPPORTED,
+        "swaps",
+        "swa.py",
+    ),
+    *_contacts(
+        "hybrid sliding-window allocator",
+        "reads",
+        "swa.py",
+        [f"{_SWA_ALLOCATOR}.{name}" for name in ("full_attn_allocator", "swa_attn_allocator")],
+    ),
+    *_contacts(
+        "hybrid sliding-window allocator",
+        "overrides",
+        "swa.py",
+        [
+            f"{_SWA_ALLOCATOR}.{name}"
+            for name in (
+                "available_size",
+                "full_available_size",
+                "swa_available_size",
+                "alloc",
+                "alloc_extend",
+                "alloc_decode",
+                "resize",
+            )
+        ],
+    ),
+    Contact(
+        "hybrid sliding-window allocator: pages an allocation needs",
+        "sglang.srt.utils.get_num_new_pages",
+        SUPPORTED,
+        "imports",
+        "swa.py",
+    ),
+    *_contacts(
+        "idle invariant check (the window pool)",
+        "reads",
+        "swa.py",
+        [
+            f"{_CHECKER}.SchedulerInvariantChecker.token_to_kv_pool_allocator",
+            "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
+            ".swa_available_size",
+        ],
+    ),
+    Contact(
+        "idle invariant check (the window pool's total)",
+        f"{_CHECKER}.SchedulerInvariantChecker.swa_tokens_per_layer",
+        SUPPORTED,
+        "swaps",
+        "swa.py",
+    ),
+    Contact(
+        "idle invariant check (a hybrid sliding-window model's full pool total)",
+        f"{_CHECKER}.SchedulerInvariantChecker.full_tokens_per_layer",
+        SUPPORTED,
+        "swaps",
+        "allocator.py",
+    ),
     # eviction.py: SGLang's own radix-cache eviction, in a page-first order
     Contact("eviction", f"{_PREFIX}.EvictParams", SUPPORTED, "imports", "eviction.py"),
     *_contacts(
@@ -324,6 +418,7 @@ CONTACTS: tuple[Contact, ...] = (
         "eviction.py",
         [
             f"{_PREFIX}.EvictParams.num_tokens",
+            f"{_PREFIX}.EvictParams.swa_num_tokens",
             f"{_PREFIX}.EvictResult.num_tokens_evicted",
             f"{_RADIX}.RadixCache.evictable_leaves",
             f"{_RADIX}.TreeNode.value",
@@ -339,6 +434,8 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_MAMBA_RADIX}.evict",
             f"{_MAMBA_RADIX}.full_evictable_size",
             f"{_PREFIX}.BasePrefixCache.supports_mamba",
+            f"{_PREFIX}.BasePrefixCache.supports_swa",
+            "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.swa_evictable_size",
         ],
     ),
     Contact(

@@ -9,7 +9,9 @@ instance's own limit (KVCACHED_INSTANCE_LIMIT, `kvctl limit`) is enforced by the
 allocator at run time. The hook replaces the profiled bytes with the budget; SGLang's
 own code still turns them into tokens, applies `--max-total-tokens` and aligns pages,
 so no `--mem-fraction-static` guess is needed. A hybrid Mamba model's state pool is
-sized and charged apart (`mamba.py`); the KV pool gets the rest of the budget. With
+sized and charged apart (`mamba.py`); the KV pool gets the rest of the budget. A
+hybrid sliding-window model's two pools split the budget by SGLang's own rule
+(`swa.py`). With
 tensor parallelism every rank's pool must have the same size (they are replicas): the
 ranks take the smallest of their devices' budgets, as SGLang's own profile takes the
 smallest free memory.
@@ -27,15 +29,16 @@ log = logging.getLogger("sglang.kvcached")
 
 
 def check_model(configurator: Any) -> None:
-    """Refuse the pool families the adapter does not serve: one KV pool, beside a
-    Mamba state pool SGLang keeps itself (`mamba.py`) with one rank only."""
-    if getattr(configurator, "is_hybrid_swa", False):
+    """Refuse the pool families the adapter does not serve: a hybrid sliding-window
+    pool pair (`swa.py`) and a Mamba state pool beside the KV pool (`mamba.py`) are
+    served with one rank only."""
+    if getattr(configurator, "is_hybrid_swa", False) and (
+        tensor_parallel.sglang_channel() is not None
+    ):
         raise Refused(
-            "hybrid sliding-window models build two KV pools; the adapter serves models "
-            "with one full-attention (MHA or MLA) pool. Where every layer's K and V have "
-            "one shape (GPT-OSS), --disable-hybrid-swa-memory keeps them in one pool "
-            "kvcached serves (the sliding-window layers then keep every token, not only "
-            "the window's)"
+            "hybrid sliding-window models with tensor parallelism are not supported yet "
+            "(they are with --tp-size 1; or keep every layer in one pool with "
+            "--disable-hybrid-swa-memory where all layers' K and V have one shape)"
         )
     if getattr(configurator, "mambaish_config", None) is not None and (
         tensor_parallel.sglang_channel() is not None

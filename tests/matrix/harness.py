@@ -114,10 +114,6 @@ SGLANG_ATTENTION_BACKENDS = {
     "DeepseekV2ForCausalLM": "fa3",
     "DeepseekV3ForCausalLM": "fa3",  # the same MLA model class in SGLang as V2's
 }
-#: sliding-window hybrids whose layers share one K/V shape: under kvcached SGLang keeps
-#: them in one pool (--disable-hybrid-swa-memory, which kvcached serves); SGLang alone
-#: keeps its two pools, so the row compares kvcached's one pool with SGLang's own two
-SGLANG_ONE_KV_POOL = ("GptOssForCausalLM",)
 #: the kvcached run's ledger budget, the benchmark's (the pool is sized from it)
 SGLANG_BUDGET = "40GiB"
 OUTCOMES = ("equal", "different_tokens", "crash_at_start", "crash", "refused", "not_run")
@@ -287,8 +283,7 @@ def engine_batch(engine: str, name: str, *, gpu: bool) -> tuple[str, ...]:
     arch = ARCHITECTURES[name]
     if engine == "sglang":
         backend = SGLANG_ATTENTION_BACKENDS.get(arch.architecture)
-        one_pool = ("--one-kv-pool",) if arch.architecture in SGLANG_ONE_KV_POOL else ()
-        return (*SGLANG_BATCH, *(("--attention-backend", backend) if backend else ()), *one_pool)
+        return (*SGLANG_BATCH, *(("--attention-backend", backend) if backend else ()))
     if gpu:
         options = GPU_ENGINE_ARGS.get(arch.class_name(scale="gpu"), ())
         return (*GPU_BATCH, "--dtype", "bfloat16", *options)

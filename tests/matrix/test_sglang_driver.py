@@ -357,10 +357,9 @@ def test_the_corrupting_run_needs_kvcached(monkeypatch: pytest.MonkeyPatch) -> N
         sglang_generate.main(["/m", "--prompts", "1", "--corrupt"])
 
 
-def test_gpt_oss_runs_under_kvcached_with_one_pool_and_alone_with_sglangs_two() -> None:
-    alone = _options("sliding-window-hybrid", kvcached=False)
-    served = _options("sliding-window-hybrid", kvcached=True)
-    assert served["disable_hybrid_swa_memory"] is True
-    assert "disable_hybrid_swa_memory" not in alone
-    # Gemma 4's sliding and global layers differ in K/V shape: no one pool for them
-    assert "disable_hybrid_swa_memory" not in _options("heterogeneous-kv-groups", kvcached=True)
+def test_sliding_window_hybrids_run_in_sglangs_own_two_pools_with_and_without_kvcached() -> None:
+    # kvcached serves SGLang's SWAKVPool pair (engines/sglang/swa.py): the rows compare
+    # the same layout, not one pool against two
+    for row in ("sliding-window-hybrid", "cross-layer-kv-sharing", "heterogeneous-kv-groups"):
+        for kvcached in (False, True):
+            assert "disable_hybrid_swa_memory" not in _options(row, kvcached=kvcached)

@@ -15,7 +15,7 @@ run after the first finds its prompts in the radix cache.
 
     python generate.py MODEL [--prompts N] [--prompt-len L] [--max-tokens M]
         [--repeat R] [--dtype D] [--context-length C] [--attention-backend B]
-        [--mem-fraction F] [--log-level L] [--one-kv-pool] [--corrupt]
+        [--mem-fraction F] [--log-level L] [--corrupt]
 
 With ``--corrupt`` (kvcached only) the batch runs once, the test-only plugin
 (plugins/kvcached_corrupt_kv.py) rotates every mapped KV page by one page while the
@@ -68,12 +68,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="the baseline's pool")
     ap.add_argument("--log-level", default="error")
     ap.add_argument(
-        "--one-kv-pool",
-        action="store_true",
-        help="kvcached only: --disable-hybrid-swa-memory (a sliding-window hybrid's layers "
-        "in one pool, which kvcached serves)",
-    )
-    ap.add_argument(
         "--corrupt",
         action="store_true",
         help="kvcached only: run the batch, corrupt the cached KV while idle (the "
@@ -109,8 +103,6 @@ def engine_options(a: argparse.Namespace, *, kvcached: bool) -> dict[str, Any]:
         options["mem_fraction_static"] = a.mem_fraction
     if a.attention_backend:
         options["attention_backend"] = a.attention_backend
-    if kvcached and a.one_kv_pool:  # SGLang alone keeps its own two pools
-        options["disable_hybrid_swa_memory"] = True
     config = checkpoint_config(a.model)
     if "vision_config" in config:
         # a vision-language checkpoint (Qwen3.5's published class): the matrix runs its

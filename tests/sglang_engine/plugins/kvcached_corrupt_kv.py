@@ -13,9 +13,10 @@ kvcached's own plugin, through SGLang's ``HookRegistry``, as any third party wou
 The trigger is CORRUPT_ENV in the scheduler's environment. Unset, `register` does
 nothing. Set, an AROUND hook on ``Scheduler.on_idle`` fires once, at the first fully
 idle moment when the kvcached instance holds cached KV (prefixes of finished requests
-stay in the radix cache), and rotates every mapped page of every layer by one SGLang
-page, as a wrongly mapped page would: a later ``generate`` of the same prompts reads
-corrupted cached prefixes and must produce different tokens. The value says when:
+stay in the radix cache), and rotates every mapped page of every layer (of both pools
+of a hybrid sliding-window model) by one SGLang page, as a wrongly mapped page would:
+a later ``generate`` of the same prompts reads corrupted cached prefixes and must
+produce different tokens. The value says when:
 ``1`` at the first such moment, a file path as soon as that file exists (so a
 benchmark can compare first and corrupt afterwards in the same engine). With a file
 path the hook writes how many pages it changed to that path plus ``.done``: the
@@ -112,18 +113,23 @@ def pull(trigger: Path, timeout: float) -> int:
 
 
 def corrupt_mapped_pages(found: Any) -> int:
-    """Rotate every mapped extent's pages by one SGLang page, in every segment."""
-    group = found.backing.group
-    raw = found.backing.raw("uint8")
-    page = group.block_bytes
+    """Rotate every mapped extent's pages by one SGLang page, in every segment of every
+    pool (a hybrid sliding-window model has two: `found.window`)."""
+    pools = [(found.backing, found.allocator)]
+    if getattr(found, "window", None) is not None:
+        pools.append((found.window.backing, found.window.allocator))
     touched = 0
-    for start, npages in found.allocator.extents():
-        first = start * group.blocks_per_page
-        count = npages * group.blocks_per_page
-        for segment in group.segments:
-            lo = segment.offset + first * page
-            hi = lo + count * page
-            raw[lo:hi] = raw[lo:hi].roll(page)
-        touched += count
+    for backing, allocator in pools:
+        group = backing.group
+        raw = backing.raw("uint8")
+        page = group.block_bytes
+        for start, npages in allocator.extents():
+            first = start * group.blocks_per_page
+            count = npages * group.blocks_per_page
+            for segment in group.segments:
+                lo = segment.offset + first * page
+                hi = lo + count * page
+                raw[lo:hi] = raw[lo:hi].roll(page)
+            touched += count
     log.warning("kvcached test plugin: corrupted %d mapped KV pages", touched)
     return touched

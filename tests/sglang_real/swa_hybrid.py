@@ -1,0 +1,174 @@
+"""kvcached's SGLang hooks on a hybrid sliding-window model's real pools (SGLang 0.5.16):
+`SWAKVPool`'s full-attention and window pools both served by kvcached in one instance
+(two page-id groups, one ledger row), `SWATokenToKVPoolAllocator` made elastic with
+free counts that split the budget between the pools, `UnifiedRadixCache` giving both
+pools' tokens back, and SGLang's idle invariant checks of both pools passing with every
+slot accounted for and failing with five lost. Run in a fresh process (the hooks patch
+SGLang's classes):
+
+    python swa_hybrid.py DEVICE
+
+with KVCACHED_BUDGET below the two pools' virtual sizes together (each pool alone
+could fill it), on the GPU by tests/test_sglang_real.py, on CPU by
+scripts/sglang-real-cpu.sh.
+"""
+
+import os
+import sys
+from array import array
+from types import SimpleNamespace
+
+import one_rank  # noqa: F401  (SGLang's parallel state for one process, first)
+import torch
+from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+from sglang.srt.mem_cache.unified_cache_components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from kvcached.engines.sglang import eviction, instance, register
+from kvcached.engines.sglang.allocator import elastic_allocator
+
+register()
+HookRegistry.apply_hooks()
+# no pages mapped ahead of demand, so that the room the counts split is all unmapped (a
+# pool thread's mapping ahead is simulated below, where it would race an allocation)
+os.environ["KVCACHED_POOL_LOW"] = "0"
+
+device = sys.argv[1]
+full_size, window_size, heads, width = 1 << 16, 1 << 15, 2, 64
+pool = SWAKVPool(
+    size=full_size,
+    size_swa=window_size,
+    page_size=1,
+    dtype=torch.bfloat16,
+    head_num=heads,
+    head_dim=width,
+    swa_attention_layer_ids=[0, 2, 4],
+    full_attention_layer_ids=[1, 3, 5],
+    device=device,
+)
+found = instance.current()
+assert found is not None and found.window is not None, "kvcached did not serve both pools"
+cache = found.cache
+assert cache is not None and len(cache.allocators) == 2
+assert [a.used_blocks for a in cache.allocators] == [1, 1]  # each pool's padding page
+assert pool.full_kv_pool.k_buffer[0].shape == (full_size + 1, heads, width)
+assert pool.swa_kv_pool.v_buffer[2].shape == (window_size + 1, heads, width)
+assert float(pool.swa_kv_pool.k_buffer[0][0].float().abs().sum()) == 0.0  # padding zeroed
+
+alloc = elastic_allocator(
+    lambda _c: SWATokenToKVPoolAllocator(
+        full_size, window_size, 1, torch.bfloat16, device, kvcache=pool, need_sort=False
+    ),
+    None,
+)
+print("elastic", type(alloc).__name__, alloc.full_available_size(), alloc.swa_available_size())
+# a token costs a slot in both pools, of the same bytes here. The budget is below the
+# two pools' sizes together: a count that gave each pool the whole room would promise
+# the same bytes twice. Pages already mapped (the rest of each padding page id) cost
+# no room; the growth beyond them must fit the room once, less whole page ids
+per_token = 2 * 3 * heads * width * 2  # K and V, 3 layers, bf16, in each pool
+budget = cache.ledger.budget
+room = budget - cache.account.reserved
+full_free, window_free = alloc.full_available_size(), alloc.swa_available_size()
+mapped = [a.mapped_free_blocks() for a in cache.allocators]
+print("budget", budget, "room", room, "free", full_free, window_free, "mapped", mapped)
+assert full_free <= full_size and window_free <= window_size
+growth = (full_free - mapped[0]) * per_token + (window_free - mapped[1]) * per_token
+assert growth <= room, f"the free counts promise {growth} bytes of growth in {room}"
+assert growth >= room // 2, f"the free counts promise too little: {growth} of {room}"
+
+# what both counts promise is there: SGLang's allocation of it succeeds, even when,
+# between the count and the allocation, the full pool's pool thread mapped pages ahead
+# that took the room the window pool was promised (kvcached gives them back first)
+promised = min(full_free, window_free)
+ahead = cache.allocators[0].alloc(room // per_token)
+assert ahead is not None
+cache.allocators[0].free(ahead)  # mapped, empty: as a pool thread leaves them
+assert cache.account.reserved >= budget - 2 * (12 << 20), "the room was not taken"
+slots = alloc.alloc(promised)
+assert slots is not None, "an allocation within both free counts failed"
+swa_slots = alloc.full_to_swa_index_mapping[slots]
+assert bool((swa_slots > 0).all()), "a full slot without its window slot"
+pool.full_kv_pool.k_buffer[1][slots] = 1.5  # writes land in mapped memory and read back
+pool.swa_kv_pool.k_buffer[0][swa_slots] = 2.5
+assert float(pool.full_kv_pool.k_buffer[1][slots].float().mean()) == 1.5
+assert float(pool.swa_kv_pool.k_buffer[0][swa_slots].float().mean()) == 2.5
+more = alloc.alloc(max(alloc.full_available_size(), alloc.swa_available_size()) + 3 * 8192)
+assert more is None, "an allocation past the budget succeeded"
+held_before = [a.used_blocks for a in cache.allocators]
+print("allocated", promised, "tokens; kvcached blocks held", held_before)
+
+# a token that left every window gives its window slot back, the full slot stays
+window_before = alloc.swa_available_size()
+alloc.free_swa(slots[:500])
+assert alloc.swa_available_size() >= window_before + 500
+assert bool((alloc.full_to_swa_index_mapping[slots[:500]] == 0).all())
+alloc.free(slots)  # the request ends: SGLang frees both (the window's once)
+
+# SGLang's radix cache of these models keeps a finished request's 300 tokens, full and
+# window KV
+tree = UnifiedRadixCache(
+    CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=alloc,
+        page_size=1,
+        sliding_window_size=128,
+        tree_components=(ComponentType.FULL, ComponentType.SWA),
+    )
+)
+kept = alloc.alloc(300)
+assert kept is not None
+tree.insert(InsertParams(key=RadixKey(array("q", range(1000, 1300))), value=kept))
+print("cached", tree.full_evictable_size(), "full,", tree.swa_evictable_size(), "window tokens")
+assert eviction.evictable_tokens(tree) == 300
+
+checker = SimpleNamespace(
+    is_hybrid_swa=True,
+    is_hybrid_ssm=False,
+    tree_cache=tree,
+    token_to_kv_pool_allocator=alloc,
+    full_tokens_per_layer=full_size,
+    swa_tokens_per_layer=window_size,
+    server_args=SimpleNamespace(dcp_size=1),
+    pool_stats_observer=SimpleNamespace(
+        session_held_full_tokens=lambda: 0, session_held_swa_tokens=lambda: 0
+    ),
+    _check_pool_invariant=SchedulerInvariantChecker._check_pool_invariant,
+)
+
+
+def stats():
+    return SimpleNamespace(
+        full_available_size=alloc.full_available_size(),
+        full_evictable_size=tree.full_evictable_size(),
+        swa_available_size=alloc.swa_available_size(),
+        swa_evictable_size=tree.swa_evictable_size(),
+    )
+
+
+CHECKS = (SchedulerInvariantChecker._check_full_pool, SchedulerInvariantChecker._check_swa_pool)
+for check in CHECKS:
+    leak, message = check(checker, stats())
+    print("idle check:", leak, message)
+    assert not leak, message
+assert (checker.full_tokens_per_layer, checker.swa_tokens_per_layer) == (full_size, window_size)
+lost = alloc.alloc(5)  # five slots SGLang lost track of, in both pools: both checks see them
+for check in CHECKS:
+    leak, message = check(checker, stats())
+    print("idle check, 5 slots lost:", leak, message)
+    assert leak, message
+alloc.free(lost)
+
+evicted, returned = eviction.give_back(tree, alloc, tokens=None)
+print("give back:", evicted, "tokens,", returned, "pages;", found)
+assert evicted == 300 and tree.full_evictable_size() == 0 and tree.swa_evictable_size() == 0
+assert [a.used_blocks for a in cache.allocators] == [1, 1], "a pool kept pages"
+instance.close()
+print("SWA-REAL-SGLANG-OK")
