@@ -1,6 +1,7 @@
 """kvcached's SGLang hooks on a hybrid sliding-window model's real pools (SGLang 0.5.16):
 `SWAKVPool`'s full-attention and window pools both served by kvcached in one instance
-(two page-id groups, one ledger row), `SWATokenToKVPoolAllocator` made elastic with
+(two page-id groups, one ledger row; rows of one width as GPT-OSS's, and of two as
+Gemma 4's), `SWATokenToKVPoolAllocator` made elastic with
 free counts that split the budget between the pools, `UnifiedRadixCache` giving both
 pools' tokens back, and SGLang's idle invariant checks of both pools passing with every
 slot accounted for and failing with five lost. Run in a fresh process (the hooks patch
@@ -170,5 +171,43 @@ evicted, returned = eviction.give_back(tree, alloc, tokens=None)
 print("give back:", evicted, "tokens,", returned, "pages;", found)
 assert evicted == 300 and tree.full_evictable_size() == 0 and tree.swa_evictable_size() == 0
 assert [a.used_blocks for a in cache.allocators] == [1, 1], "a pool kept pages"
+instance.close()
+
+# Gemma 4's case: the pools' rows differ (window layers 2 heads x 64, full layers 2
+# heads x 128), as SGLang builds them from its swa_* arguments
+wide = SWAKVPool(
+    size=1 << 14,
+    size_swa=1 << 13,
+    page_size=1,
+    dtype=torch.bfloat16,
+    head_num=heads,
+    head_dim=2 * width,
+    swa_attention_layer_ids=[0, 1, 3, 4],
+    full_attention_layer_ids=[2, 5],
+    device=device,
+    swa_head_num=heads,
+    swa_head_dim=width,
+    swa_v_head_dim=width,
+    v_head_dim=2 * width,
+)
+found = instance.current()
+assert found is not None and found.window is not None and found.cache is not None
+assert wide.full_kv_pool.k_buffer[0].shape == ((1 << 14) + 1, heads, 2 * width)
+assert wide.swa_kv_pool.v_buffer[3].shape == ((1 << 13) + 1, heads, width)
+rows = [group.block_bytes for group in found.cache.layout.groups]
+assert rows == [heads * 2 * width * 2, heads * width * 2], rows
+alloc = elastic_allocator(
+    lambda _c: SWATokenToKVPoolAllocator(
+        1 << 14, 1 << 13, 1, torch.bfloat16, device, kvcache=wide, need_sort=False
+    ),
+    None,
+)
+slots = alloc.alloc(1000)
+assert slots is not None
+wide.full_kv_pool.v_buffer[1][slots] = 3.5
+wide.swa_kv_pool.k_buffer[3][alloc.full_to_swa_index_mapping[slots]] = 4.5
+assert float(wide.full_kv_pool.v_buffer[1][slots].float().mean()) == 3.5
+alloc.free(slots)
+print("two widths:", rows, "bytes a row;", found)
 instance.close()
 print("SWA-REAL-SGLANG-OK")
