@@ -197,6 +197,36 @@ def _fake_row(name: str, work: Path, **kwargs: Any) -> dict[str, Any]:
     return {"architecture": name, "outcome": "equal", "detail": "now", "throughput_ratio": 1.0}
 
 
+@pytest.mark.parametrize(("timeout", "corrupt_runs"), [(50.0, 0), (500.0, 1)])
+def test_a_corruption_run_that_cannot_finish_in_the_rows_time_is_not_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, timeout: float, corrupt_runs: int
+) -> None:
+    # on the H200 a corrupted-page run killed at the row's bound wasted its minute: one
+    # takes about as long as the kvcached run, so with less time left it is not started
+    from kvcached.testing import random_arch
+
+    runs = [[[5, 6], [7, 7]], [[5, 6], [7, 7]]]
+    started: list[tuple[str, ...]] = []
+
+    def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
+        started.append(tuple(kwargs["batch"]))
+        if "--corrupt" in kwargs["batch"]:
+            return {"ok": False, "error": "RuntimeError: stands in for the corrupted run"}
+        return {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
+                "distinct_tokens": 3, "tokens_per_s": 100.0, "seconds": 100.0}  # fmt: skip
+
+    monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
+    monkeypatch.setattr(harness, "run_engine", fake_run)
+    row = harness.run_row("mla", tmp_path, gpu=True, engine="sglang", timeout=timeout)
+    assert row["outcome"] == "equal"
+    assert sum("--corrupt" in batch for batch in started) == corrupt_runs
+    if corrupt_runs:
+        assert row["corruption"] == {"error": "RuntimeError: stands in for the corrupted run"}
+    else:
+        assert row["corruption"]["error"].startswith("out of time: ")
+        assert "the kvcached run took 100 s" in row["corruption"]["error"]
+
+
 def test_a_split_column_carries_the_earlier_commands_rows_in_row_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
