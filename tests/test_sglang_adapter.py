@@ -158,6 +158,7 @@ def test_the_tables_name_everything_the_adapter_imports_and_every_private_name()
 
 def test_the_class_swap_and_the_methods_it_overrides_are_in_the_table() -> None:
     from kvcached.engines.sglang.allocator import _SERVED, ElasticAllocator
+    from kvcached.engines.sglang.elastic_classes import adapter_methods
     from kvcached.engines.sglang.swa import ElasticSWAAllocator
 
     swaps = {c.target.rsplit(".", 1)[1] for c in shims.CONTACTS if c.how == "swaps"}
@@ -172,7 +173,7 @@ def test_the_class_swap_and_the_methods_it_overrides_are_in_the_table() -> None:
         }
         sglangs = {
             name
-            for name, value in vars(mixin).items()
+            for name, value in adapter_methods(mixin).items()
             if callable(value) and not name.startswith("_")
         } - own
         assert sglangs == overridden, mixin
@@ -914,3 +915,59 @@ def test_a_hybrid_instance_without_a_limit_is_bounded_by_the_budget_not_one_pool
         assert capacity.over_limit() == 0 and not capacity.under_pressure()
     finally:
         found.close()
+
+
+def test_the_elastic_classes_top_up_before_sglangs_code_and_pass_the_page_count_it_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    from kvcached.engines.sglang.elastic_classes import TopsUpFirst, subclass_with
+
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.get_num_new_pages = lambda **kw: 7 if not kw.get("decode") else 2  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils", utils)
+
+    class SglangAllocator:  # stands in for SGLang's: records what reached it
+        page_size = 16
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def alloc(self, need: int) -> str:
+            self.calls.append(("alloc", need))
+            return "slots"
+
+        def alloc_extend(self, *args: Any) -> str:
+            self.calls.append(("extend", *args[5:]))  # the token and page counts
+            return "slots"
+
+        def alloc_decode(self, *args: Any) -> str:
+            self.calls.append(("decode",))
+            return "slots"
+
+    class Mixin(TopsUpFirst):
+        ensured: list[int]
+        room = True
+
+        def _ensure(self, pages: int) -> bool:
+            self.ensured.append(pages)
+            return self.room
+
+    class PairMixin(Mixin):
+        _takes_page_count = False
+
+    for mixin, made_with in ((Mixin, (100, 7)), (PairMixin, (100,))):
+        allocator = SglangAllocator()
+        allocator.__class__ = subclass_with(SglangAllocator, mixin, {})
+        allocator.ensured = []  # type: ignore[attr-defined]
+        assert allocator.alloc(33) == "slots"  # 33 tokens: 3 pages of 16
+        assert allocator.alloc_extend(None, None, None, None, None, 100) == "slots"
+        assert allocator.alloc_decode(None, None, None) == "slots"
+        assert allocator.ensured == [3, 7, 2]  # type: ignore[attr-defined]
+        assert allocator.calls == [("alloc", 33), ("extend", *made_with), ("decode",)]
+        allocator.room = False  # type: ignore[attr-defined]  # kvcached cannot supply
+        assert allocator.alloc(1) is None and allocator.alloc_decode(None, None, None) is None
+        assert len(allocator.calls) == 3  # SGLang's code did not run

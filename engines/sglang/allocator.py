@@ -34,6 +34,7 @@ from typing import Any
 
 from kvcached.engines.sglang import instance, swa
 from kvcached.engines.sglang.capacity import ElasticCapacity
+from kvcached.engines.sglang.elastic_classes import TopsUpFirst, subclass_with
 from kvcached.engines.sglang.refusals import Refused
 
 log = logging.getLogger("sglang.kvcached")
@@ -45,14 +46,10 @@ TOP_UP_EXTRA = 256
 SHARED_TOP_UP_EXTRA = 4 * TOP_UP_EXTRA
 
 
-class ElasticAllocator:
+class ElasticAllocator(TopsUpFirst):
     """The methods of the elastic subclass of SGLang's allocator class (see the module
-    docstring and `elastic_class`). It is not a base class: a mixin placed before an
-    ABC-derived class changes the object layout, and `__class__` cannot be swapped to
-    such a class, so the methods are copied into a direct subclass and reach SGLang's
-    own through `_base`."""
-
-    _base: Any  # SGLang's allocator class
+    docstring and `elastic_class`; how the class is made: `elastic_classes.py`). Its
+    allocation calls top the stock up first (`TopsUpFirst`)."""
 
     free_pages: Any
     release_pages: Any
@@ -113,52 +110,8 @@ class ElasticAllocator:
     def available_size(self) -> int:
         return int(self.kv_capacity.available(self.stock_pages()))
 
-    # An allocation kvcached cannot supply answers None before SGLang's code runs: its
-    # kernels read `free_pages` before they check its length, which is only safe on a
-    # list as long as the whole pool.
-    def alloc(self, need_size: int) -> Any:
-        if not self._top_up(-(-need_size // self.page_size)):
-            return None
-        return self._base.alloc(self, need_size)
-
-    def alloc_extend(
-        self,
-        prefix_lens: Any,
-        prefix_lens_cpu: Any,
-        seq_lens: Any,
-        seq_lens_cpu: Any,
-        last_loc: Any,
-        extend_num_tokens: int,
-        num_new_pages: int | None = None,
-    ) -> Any:
-        if num_new_pages is None:
-            from sglang.srt.utils import get_num_new_pages
-
-            num_new_pages = int(
-                get_num_new_pages(
-                    seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
-                )
-            )
-        if not self._top_up(num_new_pages):
-            return None
-        return self._base.alloc_extend(
-            self,
-            prefix_lens,
-            prefix_lens_cpu,
-            seq_lens,
-            seq_lens_cpu,
-            last_loc,
-            extend_num_tokens,
-            num_new_pages,
-        )
-
-    def alloc_decode(self, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
-        from sglang.srt.utils import get_num_new_pages
-
-        need = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
-        if not self._top_up(need):
-            return None
-        return self._base.alloc_decode(self, seq_lens, seq_lens_cpu, last_loc)
+    def _ensure(self, pages: int) -> bool:
+        return self._top_up(pages)
 
     def backup_state(self) -> Any:
         self._topped_since_backup = []
@@ -191,14 +144,7 @@ _classes: dict[type, type] = {}
 
 def elastic_class(cls: type) -> type:
     """SGLang's allocator class `cls` with `ElasticAllocator` mixed in (cached)."""
-    if cls not in _classes:
-        methods = {
-            name: value
-            for name, value in vars(ElasticAllocator).items()
-            if not name.startswith("__") and name != "_base"
-        }
-        _classes[cls] = type(f"Elastic{cls.__name__}", (cls,), {**methods, "_base": cls})
-    return _classes[cls]
+    return subclass_with(cls, ElasticAllocator, _classes)
 
 
 def is_elastic(allocator: Any) -> bool:

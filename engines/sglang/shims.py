@@ -309,7 +309,7 @@ CONTACTS: tuple[Contact, ...] = (
         "sglang.srt.utils.get_num_new_pages",
         SUPPORTED,
         "imports",
-        "allocator.py",
+        "elastic_classes.py",
     ),
     *_contacts(
         "idle invariant check",
@@ -378,13 +378,6 @@ CONTACTS: tuple[Contact, ...] = (
                 "resize",
             )
         ],
-    ),
-    Contact(
-        "hybrid sliding-window allocator: pages an allocation needs",
-        "sglang.srt.utils.get_num_new_pages",
-        SUPPORTED,
-        "imports",
-        "swa.py",
     ),
     *_contacts(
         "idle invariant check (the window pool)",

@@ -49,6 +49,7 @@ from typing import Any
 from kvcached.backing import BackingBuffer
 from kvcached.engines.sglang import instance
 from kvcached.engines.sglang.capacity import ElasticCapacity, HybridCapacity
+from kvcached.engines.sglang.elastic_classes import TopsUpFirst, subclass_with
 from kvcached.engines.sglang.geometry import PoolGeometry
 from kvcached.engines.sglang.refusals import Refused
 from kvcached.supply import COUNT_REFRESH_S
@@ -137,17 +138,17 @@ def builds_both_pools(original: Any, pool: Any, *args: Any, **kwargs: Any) -> An
     return None
 
 
-class ElasticSWAAllocator:
-    """The methods of the elastic subclass of SGLang's `SWATokenToKVPoolAllocator` (a
-    direct subclass made by `elastic_swa_class`, as `allocator.elastic_class` makes
-    one for a plain allocator): joint free counts, both stocks topped up before SGLang
-    allocates, both given back together."""
+class ElasticSWAAllocator(TopsUpFirst):
+    """The methods of the elastic subclass of SGLang's `SWATokenToKVPoolAllocator` (made
+    as `allocator.elastic_class` makes one for a plain allocator: `elastic_classes.py`):
+    joint free counts, both stocks topped up before SGLang allocates (`TopsUpFirst`),
+    both given back together."""
 
-    _base: Any
     full_attn_allocator: Any  # SGLang's sub-allocators, made elastic
     swa_attn_allocator: Any
     page_size: int
     kv_capacity: HybridCapacity
+    _takes_page_count = False
     _counted: tuple[float, int, int, int, int] | None
 
     def attach(self, capacity: HybridCapacity, elastic_class: Callable[[type], type]) -> None:
@@ -188,7 +189,7 @@ class ElasticSWAAllocator:
         return int(self.full_attn_allocator.stock_pages())
 
     # -------------------------------------------------------- both stocks first
-    def _top_up_both(self, pages: int) -> bool:
+    def _ensure(self, pages: int) -> bool:
         """Both stocks hold `pages` pages, or False. The free counts promised them, but
         one pool's growth can take room the count gave the other (pages mapped ahead
         by its pool thread, or a top-up's spare pages): then the spare pages and the
@@ -202,41 +203,6 @@ class ElasticSWAAllocator:
                 sub.give_back_stock()
         self.kv_capacity.make_room()
         return bool(full._top_up(pages, spare=False) and window._top_up(pages, spare=False))
-
-    def alloc(self, need_size: int) -> Any:
-        if not self._top_up_both(-(-need_size // self.page_size)):
-            return None
-        return self._base.alloc(self, need_size)
-
-    def alloc_extend(
-        self,
-        prefix_lens: Any,
-        prefix_lens_cpu: Any,
-        seq_lens: Any,
-        seq_lens_cpu: Any,
-        last_loc: Any,
-        extend_num_tokens: int,
-    ) -> Any:
-        from sglang.srt.utils import get_num_new_pages
-
-        pages = int(
-            get_num_new_pages(
-                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
-            )
-        )
-        if not self._top_up_both(pages):
-            return None
-        return self._base.alloc_extend(
-            self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
-        )
-
-    def alloc_decode(self, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
-        from sglang.srt.utils import get_num_new_pages
-
-        pages = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
-        if not self._top_up_both(pages):
-            return None
-        return self._base.alloc_decode(self, seq_lens, seq_lens_cpu, last_loc)
 
     def give_back_stock(self) -> int:
         """Both stocks back to kvcached (reads the ids: waits for the GPU)."""
@@ -254,14 +220,7 @@ _classes: dict[type, type] = {}
 def elastic_swa_class(cls: type) -> type:
     """SGLang's `SWATokenToKVPoolAllocator` class `cls` with `ElasticSWAAllocator`'s
     methods (cached)."""
-    if cls not in _classes:
-        methods = {
-            name: value
-            for name, value in vars(ElasticSWAAllocator).items()
-            if not name.startswith("__") and name != "_base"
-        }
-        _classes[cls] = type(f"Elastic{cls.__name__}", (cls,), {**methods, "_base": cls})
-    return _classes[cls]
+    return subclass_with(cls, ElasticSWAAllocator, _classes)
 
 
 def is_elastic_swa(allocator: Any) -> bool:
