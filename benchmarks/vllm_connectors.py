@@ -212,6 +212,10 @@ def main() -> None:
     common = {"bench": "vllm_connectors", "vllm": vllm.__version__, "host": platform.node()}
     out = a.out.open("w") if a.out else None
     alone: Any = None  # --device gpu: vLLM alone with the connector, what kvcached must equal
+    # whether the connector alone put back every block's stored bytes: if not, it is broken
+    # on this vLLM by itself (LMCache 0.5.3 on vLLM 0.26's packed K/V rows, LMCache issue
+    # #4463), and kvcached's tokens against its tokens decide nothing
+    alone_round_trips: bool | None = None
 
     def emit(row: dict[str, Any]) -> None:
         row = {**common, **row}
@@ -221,6 +225,8 @@ def main() -> None:
             if alone is not None and row.get("kvcached"):
                 row["tokens_equal_alone"] = tokens == alone
                 row["rounds_equal_alone"] = [x == y for x, y in zip(tokens, alone, strict=False)]
+                if alone_round_trips is not None:
+                    row["alone_round_trips"] = alone_round_trips
         line = json.dumps(row)
         print(line, flush=True)
         if out is not None:
@@ -231,11 +237,13 @@ def main() -> None:
         reference: Any = None
 
         def keep_reference(row: dict[str, Any]) -> None:
-            nonlocal reference, alone
+            nonlocal reference, alone, alone_round_trips
             if row.get("row") == "reference":
                 reference = row.get("runs")
             if row.get("row") == "alone":
                 alone = row.get("runs")
+                if "loaded_bytes_equal" in row:  # counts by now (gpu_trial's `one`)
+                    alone_round_trips = row["loaded_bytes_equal"] == row.get("loaded", 0)
             emit(row)
 
         gpu_trial(model, ledger, keep_reference, a.trial)

@@ -147,10 +147,10 @@ NOT_YET: dict[str, str] = {
     "NixlPushConnector": "the push (WRITE) variant of NIXL; unproven (the pull NixlConnector "
     "is served)",
     "P2pNcclConnector": "needs two GPUs; unproven",
-    "LMCacheConnectorV1": "lmcache 0.5.3 runs beside the H200's vLLM 0.26, but under "
-    "kvcached the tokens of prompts loaded back from its CPU tier differ from LMCache "
-    "alone's (benchmarks/results/h200-2026-12-04/vllm_connectors_gpu_lmcache.jsonl); "
-    "unproven",
+    "LMCacheConnectorV1": "lmcache 0.5.3 runs beside the H200's vLLM 0.26 but does not "
+    "put the stored KV back, with or without kvcached: its GPU connector copies vLLM "
+    "0.26's packed K/V rows at half their width (LMCache issue #4463, fix not released); "
+    "no equality run can pass until a fixed LMCache runs equal alone",
 }
 
 
