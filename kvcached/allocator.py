@@ -1042,11 +1042,17 @@ class PageAllocator(Closeable):
             if self._closed:
                 return 0
             room = limit - self._reserved - self._inflight + self._releasing
+            mapped = self._book.available + self._inflight_pages * self._bpp
+            if room < 0:
+                # over a limit lowered under what is mapped (pages the pool thread mapped
+                # ahead, say): the excess goes back, so its blocks are not promised
+                excess_pages = -(room // self._page_id_bytes)  # rounded up
+                return max(0, mapped - excess_pages * self._bpp)
             if budget_room is not None:
                 room = min(room, budget_room)
             unmapped = self._book.unmapped_pages()
             growable = max(0, min(room // self._page_id_bytes, unmapped))
-            return self._book.available + (self._inflight_pages + growable) * self._bpp
+            return mapped + growable * self._bpp
 
     def stats(self) -> AllocatorStats:
         with self._lock:

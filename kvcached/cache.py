@@ -105,7 +105,9 @@ def check_ready(backend: Backend) -> Path:
 
 class _GroupAccount:
     """One group's view of the instance's ledger rows: charges go straight through,
-    `set_used` reports the sum over the groups.
+    `set_used` reports the sum over the groups, and the row's limit is seen less what
+    the other groups hold (each group's allocator plans its growth against `limit`, so
+    two groups under one limit must not each count all of it).
 
     `rows`: (ledger row, copies) pairs, usually one row with one copy. An allocator
     whose decisions several processes carry out (replay.py), one copy each, charges
@@ -122,10 +124,13 @@ class _GroupAccount:
         lock: threading.Lock,
         before_refund: Callable[[], object] | None = None,
         fixed: list[int] | None = None,
+        held: list[int] | None = None,
     ):
         self._rows, self._used, self._index, self._lock = list(rows), used, index, lock
         self._before_refund = before_refund
         self._fixed = [0] if fixed is None else fixed
+        #: bytes (one copy's) each group has charged and not refunded, shared
+        self._held = [0] * len(used) if held is None else held
 
     def try_charge(self, nbytes: int) -> bool:
         charged: list[tuple[LedgerAccount, int]] = []
@@ -135,6 +140,8 @@ class _GroupAccount:
                     break
                 charged.append((row, copies))
             else:
+                with self._lock:
+                    self._held[self._index] += nbytes
                 return True
         except BaseException:
             self._undo(charged, nbytes)  # a damaged ledger raises: all rows or none
@@ -152,6 +159,8 @@ class _GroupAccount:
             self._before_refund()
         for row, copies in self._rows:
             row.refund(nbytes * copies)
+        with self._lock:
+            self._held[self._index] -= nbytes
 
     def set_used(self, nbytes: int) -> None:
         with self._lock:
@@ -174,7 +183,11 @@ class _GroupAccount:
                     limit = max(0, limit - self._fixed[0])
                 share = limit // copies
                 smallest = share if smallest is None else min(smallest, share)
-        return smallest
+        if smallest is None:
+            return None
+        with self._lock:
+            others = sum(self._held) - self._held[self._index]
+        return max(0, smallest - others)
 
 
 class KVCache(Closeable):
@@ -302,9 +315,10 @@ class KVCache(Closeable):
                 self.other_rows.append((ledger, row))
                 rows.append((row, copies_there))
             used = [0] * len(self.layout.groups)
+            charges = [0] * len(self.layout.groups)
             lock = threading.Lock()
             for i, group in enumerate(self.layout.groups):
-                account = _GroupAccount(rows, used, i, lock, before_refund, self._fixed)
+                account = _GroupAccount(rows, used, i, lock, before_refund, self._fixed, charges)
                 allocator = PageAllocator(group, account=account, **allocator_options)
                 self.allocators.append(held.enter_context(allocator))
             self._held = held.pop_all()  # close() gives it all back, in the same order

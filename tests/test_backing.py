@@ -71,6 +71,27 @@ def test_obtainable_blocks_follows_limit_and_headroom(backend) -> None:
         alloc.close()
 
 
+def test_blocks_mapped_over_a_lowered_limit_are_not_promised(backend) -> None:
+    # the pool thread mapped pages ahead, then the limit went below what is mapped: those
+    # pages go back (the reclaim policy), so the free count must not promise them
+    with BackingBuffer(
+        backend, nbytes=64 * G, num_blocks=64, block_bytes=G, segment_offsets=[0]
+    ) as buf:
+        account = LocalAccount(limit=8 * G)
+        alloc = PageAllocator(
+            buf.group, account=account, extent_bytes=G, pool_low=0, pool_high=0, background=False
+        )
+        blocks = alloc.alloc(6)
+        assert blocks is not None
+        alloc.free(blocks[2:])  # 2 held, 4 mapped and free
+        assert alloc.reserved_bytes == 6 * G and alloc.obtainable_blocks() == 6  # 4 + 2 more
+        account.limit = 3 * G  # 3 G over the limit: 3 of the 4 free pages must go
+        assert alloc.obtainable_blocks() == 1
+        account.limit = G  # more over than is free: nothing, never below zero
+        assert alloc.obtainable_blocks() == 0
+        alloc.close()
+
+
 def test_release_order_puts_blocks_that_empty_a_page_first(backend) -> None:
     with BackingBuffer(
         backend, nbytes=8 * G, num_blocks=16, block_bytes=G // 2, segment_offsets=[0]

@@ -307,6 +307,22 @@ def test_a_backing_set_gives_each_buffer_a_group_charging_one_row(backend: HostB
     assert _rows_named(backend, "cpu", "pair") == []
 
 
+def test_two_groups_under_one_limit_do_not_each_count_all_of_it(backend: HostBackend) -> None:
+    g = backend.granularity
+    first = BackingBuffer(backend, nbytes=8 * g, num_blocks=8, block_bytes=g, segment_offsets=[0])
+    second = BackingBuffer(backend, nbytes=8 * g, num_blocks=8, block_bytes=g, segment_offsets=[0])
+    with KVCache(
+        layout=BackingSet([first, second]), name="shared-limit", limit=4 * g,
+        pool_low=0, pool_high=0, extent_bytes=g,
+    ) as cache:  # fmt: skip
+        one, two = cache.allocators
+        assert one.obtainable_blocks() == two.obtainable_blocks() == 4
+        assert cache.alloc(3, group=1) is not None  # the second group holds 3 of the 4
+        assert one.obtainable_blocks() == 1  # it used to count all 4 again
+        assert cache.alloc(2, group=0) is None and cache.alloc(1, group=0) == [0]
+        assert cache.account.reserved == 4 * g
+
+
 def test_a_backing_set_over_two_backends_is_refused_and_closed(backend: HostBackend) -> None:
     with HostBackend(budget="64MiB") as other:
         mine, theirs = _backing(backend), _backing(other)

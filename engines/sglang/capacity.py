@@ -134,9 +134,11 @@ def joint_growth_pages(room: int, costs: list[tuple[int, int]]) -> int:
 class HybridCapacity(ElasticCapacity):
     """The full-attention pool's capacity of a hybrid sliding-window instance, which
     also speaks for the window pool (`window`) wherever the reclaim policy (Note [One
-    reclaim policy]) looks at the instance as a whole: the bytes it holds over its
-    limit or under pressure are both pools' (one ledger row), a cached token given back
-    frees a slot in each, and empty extents go back from both."""
+    reclaim policy]) looks at the instance as a whole: what goes back under pressure
+    is a share of both pools' bytes (one ledger row), a cached token given back frees a
+    slot in each, and empty extents go back from both. Over the limit needs nothing of
+    its own: the limit each pool's allocator sees is the row's less what the other pool
+    holds (`kvcached.cache`), so the full pool's excess is the instance's."""
 
     def __init__(
         self,
@@ -151,16 +153,6 @@ class HybridCapacity(ElasticCapacity):
 
     def _held(self) -> int:
         return self.allocator.reserved_bytes + self.window.allocator.reserved_bytes
-
-    def _limit(self) -> int | None:
-        """The instance's limit for its pools (the row's, less memory held outside
-        them), not one allocator's, whose own range would cap it at one pool's size."""
-        limit: int | None = self.allocator.account.limit
-        return limit
-
-    def over_limit(self) -> int:
-        limit = self._limit()
-        return 0 if limit is None else max(0, self._held() - limit)
 
     def pressure_bytes(self) -> int:
         unit = self.page_id_bytes
@@ -194,12 +186,12 @@ class HybridCapacity(ElasticCapacity):
     def room(self) -> int:
         """Bytes the instance may still map, both pools together: the smaller of the
         device budget's headroom and what its limit leaves."""
-        full, window = self.allocator, self.window.allocator
+        full = self.allocator
         headroom = full.account.headroom()
         room = (1 << 62) if headroom is None else headroom  # None: no budget
-        limit = self._limit()
+        limit = full.account.limit  # the row's, less what the window pool holds
         if limit is not None:
-            room = min(room, limit - full.committed_bytes - window.committed_bytes)
+            room = min(room, limit - full.committed_bytes)
         return max(0, room)
 
     def free_pages(self, full_stock: int, window_stock: int) -> tuple[int, int]:
