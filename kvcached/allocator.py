@@ -988,16 +988,22 @@ class PageAllocator(Closeable):
         With `committed_bytes`, what an engine that draws on several allocators of one
         instance needs to split the instance's room between them."""
         with self._lock:
-            if self._closed:
-                return 0
-            return self._book.available + self._inflight_pages * self._bpp
+            return 0 if self._closed else self._mapped_free()
 
     @property
     def committed_bytes(self) -> int:
         """Bytes held or being mapped, less those being released: what this allocator
         counts against the limit when it plans growth."""
         with self._lock:
-            return self._reserved + self._inflight - self._releasing
+            return self._committed()
+
+    def _mapped_free(self) -> int:
+        """Under the lock: `mapped_free_blocks`."""
+        return self._book.available + self._inflight_pages * self._bpp
+
+    def _committed(self) -> int:
+        """Under the lock: `committed_bytes`."""
+        return self._reserved + self._inflight - self._releasing
 
     @property
     def used_blocks(self) -> int:
@@ -1041,8 +1047,8 @@ class PageAllocator(Closeable):
         with self._lock:
             if self._closed:
                 return 0
-            room = limit - self._reserved - self._inflight + self._releasing
-            mapped = self._book.available + self._inflight_pages * self._bpp
+            room = limit - self._committed()
+            mapped = self._mapped_free()
             if room < 0:
                 # over a limit lowered under what is mapped (pages the pool thread mapped
                 # ahead, say): the excess goes back, so its blocks are not promised

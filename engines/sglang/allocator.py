@@ -187,15 +187,7 @@ def checks_elastic_capacity(original: Any, checker: Any, ps: Any, *args: Any, **
     stands at the elastic total during the check."""
     allocator = checker.token_to_kv_pool_allocator
     if swa.is_elastic_swa(allocator):  # a hybrid sliding-window pair: its full pool
-        full = allocator.full_attn_allocator
-        static = checker.full_tokens_per_layer
-        checker.full_tokens_per_layer = ps.full_available_size + full.kv_capacity.held_by_engine(
-            full.stock_pages()
-        )
-        try:
-            return original(checker, ps, *args, **kwargs)
-        finally:
-            checker.full_tokens_per_layer = static
+        return swa.checks_full_capacity(original, checker, ps, *args, **kwargs)
     if not is_elastic(allocator):
         return original(checker, ps, *args, **kwargs)
     capacity = allocator.kv_capacity

@@ -387,6 +387,8 @@ CONTACTS: tuple[Contact, ...] = (
             f"{_CHECKER}.SchedulerInvariantChecker.token_to_kv_pool_allocator",
             "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
             ".swa_available_size",
+            "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
+            ".full_available_size",
         ],
     ),
     Contact(
@@ -401,7 +403,7 @@ CONTACTS: tuple[Contact, ...] = (
         f"{_CHECKER}.SchedulerInvariantChecker.full_tokens_per_layer",
         SUPPORTED,
         "swaps",
-        "allocator.py",
+        "swa.py",
     ),
     # eviction.py: SGLang's own radix-cache eviction, in a page-first order
     Contact("eviction", f"{_PREFIX}.EvictParams", SUPPORTED, "imports", "eviction.py"),

@@ -44,11 +44,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcached.backing import BackingBuffer
 from kvcached.engines.sglang import instance
-from kvcached.engines.sglang.capacity import ElasticCapacity, HybridCapacity
+from kvcached.engines.sglang.capacity import HybridCapacity
 from kvcached.engines.sglang.elastic_classes import TopsUpFirst, subclass_with
 from kvcached.engines.sglang.geometry import PoolGeometry
 from kvcached.engines.sglang.refusals import Refused
@@ -57,30 +57,30 @@ from kvcached.supply import COUNT_REFRESH_S
 log = logging.getLogger("sglang.kvcached")
 
 
+class _Part(NamedTuple):
+    """A sub-pool not yet in an instance: what `buffers._views` needs of it, and what
+    `instance.hybrid` takes."""
+
+    geometry: PoolGeometry
+    backing: BackingBuffer
+
+
 class _Building:
     """The sub-pools' reservations while `SWAKVPool.__init__` runs, in build order."""
 
     def __init__(self) -> None:
-        self.parts: list[tuple[PoolGeometry, BackingBuffer]] = []
+        self.parts: list[_Part] = []
         self.backend: Any = None
 
-    def add(self, geometry: PoolGeometry, backend: Any) -> Any:
+    def add(self, geometry: PoolGeometry, backend: Any) -> _Part:
         self.backend = backend
-        backing = geometry.backing(backend)
-        self.parts.append((geometry, backing))
-        return _Part(geometry, backing)
+        part = _Part(geometry, geometry.backing(backend))
+        self.parts.append(part)
+        return part
 
     def close(self) -> None:
-        for _, backing in self.parts:
-            backing.close()
-
-
-class _Part:
-    """What `buffers._views` needs of a sub-pool not yet in an instance."""
-
-    def __init__(self, geometry: PoolGeometry, backing: BackingBuffer) -> None:
-        self.geometry = geometry
-        self.backing = backing
+        for part in self.parts:
+            part.backing.close()
 
 
 _building: _Building | None = None
@@ -94,12 +94,7 @@ def building() -> _Building | None:
 def builds_both_pools(original: Any, pool: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `SWAKVPool.__init__`: both sub-pools' buffers over kvcached reservations,
     then one instance over the two (see the module docstring)."""
-    global _building
-    if instance.current() is not None:
-        raise Refused(
-            "this SGLang process builds a second KV pool (a draft model's); the adapter "
-            "serves one model's pools"
-        )
+    global _building  # a second model's pools are refused by buffers.py's first check
     if kwargs.get("full_attention_layer_ids") == []:
         raise Refused(
             "models whose every layer is a sliding-window layer (SGLang's "
@@ -246,20 +241,44 @@ def make_elastic(
     built.attach(found.capacity, elastic_class)
 
 
-def checks_window_capacity(original: Any, checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND `SchedulerInvariantChecker._check_swa_pool`: the window pool's total is
-    its elastic one during the check (SGLang's free count plus what kvcached sees it
-    hold), as `allocator.checks_elastic_capacity` does for the full pool."""
-    allocator = checker.token_to_kv_pool_allocator
-    if not is_elastic_swa(allocator):
-        return original(checker, ps, *args, **kwargs)
-    window = allocator.swa_attn_allocator
-    capacity: ElasticCapacity = window.kv_capacity
-    static_total = checker.swa_tokens_per_layer
-    checker.swa_tokens_per_layer = ps.swa_available_size + capacity.held_by_engine(
-        window.stock_pages()
-    )
+def _against_elastic_total(
+    original: Any,
+    checker: Any,
+    ps: Any,
+    total: str,
+    pool: Any,
+    available: int,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """SGLang's idle check of one pool, with the checker's static `total` for that pool
+    standing at the elastic one during it: SGLang's free count (`available`) plus what
+    kvcached sees SGLang hold in it (`pool`, an elastic sub-allocator)."""
+    static = getattr(checker, total)
+    setattr(checker, total, available + pool.kv_capacity.held_by_engine(pool.stock_pages()))
     try:
         return original(checker, ps, *args, **kwargs)
     finally:
-        checker.swa_tokens_per_layer = static_total
+        setattr(checker, total, static)
+
+
+def checks_full_capacity(original: Any, checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
+    """The full pool's idle check of an elastic pair (`allocator.checks_elastic_capacity`
+    hands it over): its total is `full_tokens_per_layer`."""
+    allocator = checker.token_to_kv_pool_allocator
+    return _against_elastic_total(
+        original, checker, ps, "full_tokens_per_layer", allocator.full_attn_allocator,
+        ps.full_available_size, *args, **kwargs,
+    )  # fmt: skip
+
+
+def checks_window_capacity(original: Any, checker: Any, ps: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `SchedulerInvariantChecker._check_swa_pool`: the window pool's total,
+    `swa_tokens_per_layer`, is its elastic one during the check."""
+    allocator = checker.token_to_kv_pool_allocator
+    if not is_elastic_swa(allocator):
+        return original(checker, ps, *args, **kwargs)
+    return _against_elastic_total(
+        original, checker, ps, "swa_tokens_per_layer", allocator.swa_attn_allocator,
+        ps.swa_available_size, *args, **kwargs,
+    )  # fmt: skip
