@@ -366,9 +366,10 @@ def run_row(
         # the corrupted-page run takes about as long as the kvcached run: started now it
         # would be killed unfinished (device time spent on nothing)
         cell["corruption"] = {
-            "error": f"out of time: {left:.0f} s of the row's {timeout:.0f} s were left, "
-            f"the kvcached run took {with_kvcached['seconds']:.0f} s; run the row alone "
-            "or with a later DEADLINE"
+            "error": _out_of_time(
+                f"{left:.0f} s of the row's {timeout:.0f} s were left, the kvcached run "
+                f"took {with_kvcached['seconds']:.0f} s"
+            )
         }
     elif cell["outcome"] == "equal":  # show that the equality can fail
         corrupted = run_engine(
@@ -383,7 +384,7 @@ def run_row(
         cell["corruption"] = (
             corruption_verdict(corrupted, baseline["runs"][0])
             if corrupted["ok"]
-            else {"error": _out_of_time(corrupted["error"], timeout)}
+            else {"error": _killed_or_failed(corrupted["error"], timeout)}
         )
     return {
         **row,
@@ -392,15 +393,18 @@ def run_row(
     }
 
 
-def _out_of_time(error: str, timeout: float) -> str:
-    """A run the row's time bound killed says so (the row's figures stand; the run needs
-    a command with more time), any other error as it came."""
+def _out_of_time(why: str) -> str:
+    """A run the row's time could not hold: the row's figures stand, the run needs a
+    command with more time."""
+    return f"out of time: {why}; run the row alone or with a later DEADLINE"
+
+
+def _killed_or_failed(error: str, timeout: float) -> str:
+    """A run the row's time bound killed says so (`_out_of_time`), any other error as
+    it came."""
     if not error.startswith("TimeoutError: no result"):
         return error
-    return (
-        f"out of time: the row's {timeout:.0f} s ran out during this run ({error}); "
-        "run the row alone or with a later DEADLINE"
-    )
+    return _out_of_time(f"the row's {timeout:.0f} s ran out during this run ({error})")
 
 
 def engine_label(gpu: bool, engine: str = "vllm") -> str:

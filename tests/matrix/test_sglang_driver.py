@@ -178,10 +178,10 @@ def test_a_hung_run_is_killed_with_its_children_and_reads_as_a_timeout(tmp_path:
 
 def test_a_corruption_run_cut_by_the_rows_time_says_out_of_time_and_other_errors_stay() -> None:
     # the H200 run of 2026-12-04 (Qwen3-Next): the row's time ran out in the third run
-    cut = harness._out_of_time("TimeoutError: no result in 60 s", 460.0)
+    cut = harness._killed_or_failed("TimeoutError: no result in 60 s", 460.0)
     assert cut.startswith("out of time: the row's 460 s ran out") and "60 s" in cut
     crash = "RuntimeError: Prefill out of memory"
-    assert harness._out_of_time(crash, 460.0) == crash
+    assert harness._killed_or_failed(crash, 460.0) == crash
 
 
 def _state(pid: int) -> str:
