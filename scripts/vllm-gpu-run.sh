@@ -31,7 +31,8 @@
 #              the cells of SWEEP_CELLS (default: all, about 20 min, so split them over
 #              calls), REPEATS (11) alternating batches each, fewer where a cell's pairs
 #              would pass CELL_S (420) less 30 s, into $OUT/sweep.jsonl, each summary
-#              with its `config` (label, model, lengths, extent size, runner)
+#              with its `config` (label, model, lengths, extent size, runner) and, per
+#              side, the median seconds a batch spent in each part of the engine's steps
 #   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06, the trials of
 #              CONNECTOR_TRIALS (default offloading; also lmcache, capacity) (issue 21):
 #              offloading: tokens with the CPU tier, vLLM alone and kvcached, loaded blocks
@@ -103,8 +104,8 @@ for step in "$@"; do
                 "$repo/benchmarks/vllm_overhead.py" "$1" --label "$cell" --runners "$2" \
                 --repeats "${REPEATS:-11}" --seconds $((cell_s - 30)) --prompts "$3" \
                 --prompt-len "$4" --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 \
-                --gpu-mem 0.4 --budget 40GiB --log "$out/sweep.log" --out "$out/sweep.jsonl" \
-                | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1
+                --gpu-mem 0.4 --budget 40GiB --step-times --log "$out/sweep.log" \
+                --out "$out/sweep.jsonl" | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1
         done
         ;;
     pd)
