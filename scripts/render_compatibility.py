@@ -61,16 +61,18 @@ def _cell(row: dict[str, Any] | None, notes: list[str], label: str) -> str:
     ratio = row.get("throughput_ratio")
     if ratio is not None:
         text += f", {ratio:.2f}x throughput"
-    note = None
+    cell_notes = []
     if row["outcome"] != "equal" and row.get("detail"):
-        note = str(row["detail"])
+        cell_notes.append(str(row["detail"]))
     elif "corruption" in row:
         verdict = row["corruption"]
         if _corruption_caught(verdict):
             text += ", corruption caught"
         else:
-            note = f"the corruption run proved nothing: {json.dumps(verdict)}"
-    if note is not None:
+            cell_notes.append(f"the corruption run proved nothing: {json.dumps(verdict)}")
+    if row.get("note"):  # how the run was made, whatever its outcome (the harness's)
+        cell_notes.append(str(row["note"]))
+    for note in cell_notes:
         note = note.replace("|", "\\|").replace("\n", " ")
         if note not in notes:  # one footnote per distinct reason
             notes.append(note)
@@ -211,10 +213,11 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         "over without, where measured: one run each, the engine alone first (kernels compiled",
         "on first use are then cached for the second run), so a rough figure, not an overhead",
         "measurement; `benchmarks/vllm_overhead.py` and `benchmarks/sglang_overhead.py`",
-        "measure that side by side. *Corruption caught*: a third run with kvcached swapped",
-        "the held KV blocks midway through the decode (as a wrongly mapped page would) and",
-        "the tokens changed, so that cell's comparison can fail; cells without it come",
-        "from runs made before that check existed.",
+        "measure that side by side. *Corruption caught*: after its clean runs the kvcached",
+        "engine ran the batch once more with the held KV blocks swapped (vLLM: midway",
+        "through the decode; SGLang: the radix cache's pages, while idle), as a wrongly",
+        "mapped page would, and the tokens changed, so that cell's comparison can fail;",
+        "cells without it come from runs made before that check existed.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

@@ -7,9 +7,9 @@
 # use are pure Python over torch. The first run downloads SGLang 0.5.16's wheel (its
 # Python 3.11 build, unpacked, not installed) and the few packages its import chain
 # needs beyond the project's venv, with --no-deps, into $SGLANG_CPU_DIR (default
-# /tmp/kvcached-sglang-cpu); tests/sglang_real/standins/ stands in for torchvision and
-# hides `kernels` (its README says why). Not part of CI: it needs the download, and
-# SGLang's pinned transformers beside the venv's own.
+# /tmp/kvcached-sglang-cpu); tests/standins/ stands in for torchvision and
+# tests/sglang_real/standins/ hides `kernels` (their READMEs say why). Not part of CI:
+# it needs the download, and SGLang's pinned transformers beside the venv's own.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-"$root/.venv/bin/python"}
@@ -30,7 +30,7 @@ if [ ! -d "$dir/deps/transformers" ]; then
         ptyprocess prompt-toolkit wcwidth stack-data asttokens executing pure-eval decorator
 fi
 programs="$root/tests/sglang_real"
-export PYTHONPATH="$programs:$dir/src:$programs/standins:$dir/deps"
+export PYTHONPATH="$programs:$dir/src:$programs/standins:$root/tests/standins:$dir/deps"
 export ENABLE_KVCACHED=1 KVCACHED_BACKEND=host PYTHONWARNINGS=ignore
 status=0
 run() {  # run BUDGET PROGRAM ARGS...: one program in a fresh process and ledger

@@ -205,6 +205,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "layer_types": _alternating("linear_attention", "full_attention", 4, 8),
             },
             architecture="Qwen3_5ForCausalLM",
+            cpu_dtype="bfloat16",  # vLLM-CPU's Gated DeltaNet kernels take bf16 only
             # vLLM 0.26 registers Qwen3.5 only as Qwen3_5ForConditionalGeneration (the
             # published checkpoints' class), and checks the config is its composite one
             gpu_composite={
@@ -237,6 +238,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "layer_types": _alternating("linear_attention", "full_attention", 4, 32),
                 "vocab_size": 248320,
             },
+            # vLLM-CPU's Gated DeltaNet kernel takes 64- or 128-wide heads (as for
+            # Qwen3-Next below); twice as many value heads as key heads, as published
             scaled={
                 "hidden_size": 128,
                 "intermediate_size": 256,
@@ -244,10 +247,10 @@ ARCHITECTURES: dict[str, Architecture] = {
                 "num_attention_heads": 4,
                 "num_key_value_heads": 2,
                 "head_dim": 32,
-                "linear_num_key_heads": 2,
-                "linear_num_value_heads": 4,
-                "linear_key_head_dim": 32,
-                "linear_value_head_dim": 32,
+                "linear_num_key_heads": 1,
+                "linear_num_value_heads": 2,
+                "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64,
                 "linear_conv_kernel_dim": 4,
                 "layer_types": _alternating("linear_attention", "full_attention", 4, 4),
                 "vocab_size": SCALED_VOCAB,
@@ -255,8 +258,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture(
             # Qwen3.5's Gated DeltaNet layers and 3:1 pattern in the class they came
-            # from: vLLM-CPU cannot import Qwen3.5's (its module needs torchvision,
-            # which has no CPU build for torch 2.13), and imports this one.
+            # from, with MoE (vLLM-CPU imports this class without torchvision; Qwen3.5's
+            # needs tests/standins/ there)
             name="hybrid-linear-attention-moe",
             representative="Qwen/Qwen3-Next-80B-A3B-Instruct",
             gpu_trim={

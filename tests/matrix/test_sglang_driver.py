@@ -176,8 +176,8 @@ def test_a_hung_run_is_killed_with_its_children_and_reads_as_a_timeout(tmp_path:
     assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
 
 
-def test_a_corruption_run_cut_by_the_rows_time_says_out_of_time_and_other_errors_stay() -> None:
-    # the H200 run of 2026-12-04 (Qwen3-Next): the row's time ran out in the third run
+def test_a_run_cut_by_the_rows_time_says_out_of_time_and_other_errors_stay() -> None:
+    # the H200 run of 2026-12-04 (Qwen3-Next): the row's time ran out in a run
     cut = harness._killed_or_failed("TimeoutError: no result in 60 s", 460.0)
     assert cut.startswith("out of time: the row's 460 s ran out") and "60 s" in cut
     crash = "RuntimeError: Prefill out of memory"
@@ -197,34 +197,72 @@ def _fake_row(name: str, work: Path, **kwargs: Any) -> dict[str, Any]:
     return {"architecture": name, "outcome": "equal", "detail": "now", "throughput_ratio": 1.0}
 
 
-@pytest.mark.parametrize(("timeout", "corrupt_runs"), [(50.0, 0), (500.0, 1)])
-def test_a_corruption_run_that_cannot_finish_in_the_rows_time_is_not_started(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, timeout: float, corrupt_runs: int
+def test_one_kvcached_run_gives_both_the_equality_and_its_corrupted_counterpart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # on the H200 a corrupted-page run killed at the row's bound wasted its minute: one
-    # takes about as long as the kvcached run, so with less time left it is not started
+    # on the H200 an engine start costs a minute of device time: the corrupted run is
+    # one more batch in the kvcached engine, not a third start
     from kvcached.testing import random_arch
 
-    runs = [[[5, 6], [7, 7]], [[5, 6], [7, 7]]]
+    runs = [[[5, 6], [7, 7]], [[5, 6], [7, 8]]]
     started: list[tuple[str, ...]] = []
 
     def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
         started.append(tuple(kwargs["batch"]))
-        if "--corrupt" in kwargs["batch"]:
-            return {"ok": False, "error": "RuntimeError: stands in for the corrupted run"}
-        return {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
-                "distinct_tokens": 3, "tokens_per_s": 100.0, "seconds": 100.0}  # fmt: skip
+        result = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
+                  "distinct_tokens": 3, "tokens_per_s": 100.0, "seconds": 100.0}  # fmt: skip
+        if kwargs["kvcached"]:
+            result |= {"corrupted_run": [[5, 6], [9, 9]], "corrupted_blocks": 40,
+                       "corrupted_at_step": 0, "corrupted_after_tokens": 0}  # fmt: skip
+        return result
 
     monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
     monkeypatch.setattr(harness, "run_engine", fake_run)
-    row = harness.run_row("mla", tmp_path, gpu=True, engine="sglang", timeout=timeout)
+    row = harness.run_row("mla", tmp_path, gpu=True, engine="sglang", timeout=500.0)
     assert row["outcome"] == "equal"
-    assert sum("--corrupt" in batch for batch in started) == corrupt_runs
-    if corrupt_runs:
-        assert row["corruption"] == {"error": "RuntimeError: stands in for the corrupted run"}
-    else:
-        assert row["corruption"]["error"].startswith("out of time: ")
-        assert "the kvcached run took 100 s" in row["corruption"]["error"]
+    assert [("--corrupt" in batch) for batch in started] == [False, True]
+    assert row["corruption"] == {
+        "swapped_blocks": 40, "at_step": 0, "equal_before": True, "changed_tokens": True
+    }  # fmt: skip
+    harness.assert_corruption_proves_failure(row["corruption"])
+
+
+def test_a_corruption_that_could_not_be_made_leaves_the_equality_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.testing import random_arch
+
+    def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
+        result = {"ok": True, "runs": [[[1, 2]]], "tokens_per_s": 10.0, "seconds": 1.0}
+        if kwargs["kvcached"]:
+            result["corruption_error"] = "TimeoutError: the corrupting plugin did not run"
+        return result
+
+    monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
+    monkeypatch.setattr(harness, "run_engine", fake_run)
+    row = harness.run_row("mla", tmp_path, gpu=True, engine="sglang", timeout=500.0)
+    assert row["outcome"] == "equal"
+    assert row["corruption"] == {"error": "TimeoutError: the corrupting plugin did not run"}
+    with pytest.raises(AssertionError, match="the corruption run failed"):
+        harness.assert_corruption_proves_failure(row["corruption"])
+
+
+def test_a_kvcached_run_the_rows_time_cut_says_out_of_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.testing import random_arch
+
+    def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
+        if kwargs["kvcached"]:
+            return {"ok": False, "error": "TimeoutError: no result in 60 s", "refused": False,
+                    "started": True, "seconds": 60.0}  # fmt: skip
+        return {"ok": True, "runs": [[[1, 2]]], "tokens_per_s": 10.0, "seconds": 1.0}
+
+    monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
+    monkeypatch.setattr(harness, "run_engine", fake_run)
+    row = harness.run_row("mla", tmp_path, gpu=True, engine="sglang", timeout=460.0)
+    assert row["detail"].startswith("out of time: the row's 460 s ran out during this run")
+    assert "corruption" not in row
 
 
 def test_a_split_column_carries_the_earlier_commands_rows_in_row_order(
@@ -356,14 +394,13 @@ def test_a_composite_checkpoint_runs_its_text_model_without_a_processor(tmp_path
     assert "enable_multimodal" not in sglang_generate.engine_options(args, kvcached=True)
 
 
-def test_the_sglang_corruption_run_is_one_clean_run_then_the_corrupted_one() -> None:
-    batch = (*harness.engine_batch("sglang", "mla", gpu=True), *harness.ONE_CLEAN_RUN["sglang"])
-    args = sglang_generate.parse(["/m", *batch, "--corrupt"])
-    assert args.corrupt and args.repeat == 1
-    clean = [[1, 2, 3], [4, 5, 6]]
+def test_the_sglang_corruption_verdict_compares_the_radix_cache_runs() -> None:
+    args = sglang_generate.parse(["/m", *harness.engine_batch("sglang", "mla", gpu=True)])
+    assert args.repeat == 2  # the corrupted run reads the radix cache, as the second does
+    clean = [[[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 7]]]
     caught = {
-        "runs": [[[1, 2, 9], [4, 5, 6]]],
-        "before_corruption": clean,
+        "runs": clean,
+        "corrupted_run": [[1, 2, 9], [4, 5, 7]],
         "corrupted_blocks": 40,
         "corrupted_at_step": 0,
         "corrupted_after_tokens": 0,
@@ -371,14 +408,30 @@ def test_the_sglang_corruption_run_is_one_clean_run_then_the_corrupted_one() -> 
     verdict = harness.corruption_verdict(caught, clean)
     assert verdict["equal_before"] and verdict["changed_tokens"]
     harness.assert_corruption_proves_failure(verdict)
-    # a run that already differed before the corruption proves nothing
-    differed = {**caught, "before_corruption": [[1, 2, 4], [4, 5, 6]]}
+    # a kvcached run that already differed before the corruption proves nothing
+    differed = {**caught, "runs": [clean[0], [[1, 2, 4], [4, 5, 7]]]}
     with pytest.raises(AssertionError, match="differed before"):
         harness.assert_corruption_proves_failure(harness.corruption_verdict(differed, clean))
-    # and corrupted pages that change no token fail the check
-    unchanged = {**caught, "runs": [clean]}
+    # and corrupted pages that change no token fail the check: the reference is the
+    # engine alone's last (radix-cache) run, not its first
+    unchanged = {**caught, "corrupted_run": clean[1]}
     with pytest.raises(AssertionError, match="changed no token"):
         harness.assert_corruption_proves_failure(harness.corruption_verdict(unchanged, clean))
+
+
+def test_the_vllm_corruption_verdict_compares_the_tokens_before_and_after_the_swap() -> None:
+    clean = [[[1, 2, 3, 4], [5, 6, 7, 8]]]
+    swapped = {
+        "runs": clean,
+        "corrupted_run": [[1, 2, 3, 0], [5, 6, 7, 8]],
+        "corrupted_blocks": 6,
+        "corrupted_at_step": 3,
+        "corrupted_after_tokens": 2,
+    }
+    harness.assert_corruption_proves_failure(harness.corruption_verdict(swapped, clean))
+    early = {**swapped, "corrupted_run": [[1, 0, 3, 4], [5, 6, 7, 8]]}
+    with pytest.raises(AssertionError, match="differed before"):
+        harness.assert_corruption_proves_failure(harness.corruption_verdict(early, clean))
 
 
 def test_the_corrupting_run_needs_kvcached(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -393,3 +446,67 @@ def test_sliding_window_hybrids_run_in_sglangs_own_two_pools_with_and_without_kv
     for row in ("sliding-window-hybrid", "cross-layer-kv-sharing", "heterogeneous-kv-groups"):
         for kvcached in (False, True):
             assert "disable_hybrid_swa_memory" not in _options(row, kvcached=kvcached)
+
+
+def test_only_rows_importing_torchvision_get_the_standin_and_only_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as in CI
+    assert harness.standins("hybrid-linear-attention", gpu=False) == (harness.STANDINS,)
+    assert harness.standins("hybrid-linear-attention", gpu=True) == ()  # the GPU site has one
+    assert harness.standins("standard-gqa", gpu=False) == ()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # a real one
+    assert harness.standins("hybrid-linear-attention", gpu=False) == ()
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = harness.engine_env(
+        "vllm", tmp_path, kvcached=False, many_extents=False, path=(harness.STANDINS,)
+    )
+    assert env["PYTHONPATH"].split(":") == [str(harness.STANDINS), "/elsewhere"]
+
+
+def test_the_torchvision_standin_imports_and_fails_loudly_when_used() -> None:
+    import subprocess
+
+    # the names the vLLM and SGLang chains import, then two uses: each raises
+    code = (
+        "from torchvision.transforms.v2 import functional as tvF\n"
+        "from torchvision.transforms import InterpolationMode\n"
+        "from torchvision.io import decode_image\n"
+        "import torchvision; print(torchvision.__version__)\n"
+        "for use in (lambda: tvF.resize(None, [2, 2]), lambda: decode_image(b'')):\n"
+        "    try:\n        use()\n"
+        "    except (AttributeError, NotImplementedError) as exc:\n"
+        "        print(type(exc).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(harness.STANDINS), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["0.26.0", "AttributeError", "NotImplementedError"]
+
+
+def test_a_rows_note_is_a_footnote_beside_its_cell_whatever_the_outcome(tmp_path: Path) -> None:
+    caught = {"swapped_blocks": 20, "at_step": 9, "equal_before": True, "changed_tokens": True}
+    note = "ran with tests/standins/'s torchvision"
+    rows = [
+        {"architecture": "hybrid-linear-attention", "outcome": "equal", "detail": "x",
+         "corruption": caught, "note": note},
+        {"architecture": "mla", "outcome": "equal", "detail": "x", "corruption": caught},
+    ]  # fmt: skip
+    results = tmp_path / "results"
+    results.mkdir()
+    table = {"engine": "vllm-cpu", "label": "vLLM-CPU 0.32.0", "rows": rows}
+    (results / "vllm-cpu.json").write_text(json.dumps(table))
+    page = render_compatibility.render(render_compatibility.load(results))
+    qwen35 = next(
+        line for line in page.splitlines() if line.startswith("| `hybrid-linear-attention`")
+    )
+    mla = next(line for line in page.splitlines() if line.startswith("| `mla`"))
+    numbered = [line for line in page.splitlines() if line.endswith(f". {note}")]
+    assert len(numbered) == 1
+    assert qwen35.endswith(f"| ✅ equal, corruption caught [{numbered[0].split('.')[0]}] |")
+    assert mla.endswith("| ✅ equal, corruption caught |")

