@@ -917,6 +917,67 @@ def test_a_hybrid_instance_without_a_limit_is_bounded_by_the_budget_not_one_pool
         found.close()
 
 
+def test_a_hybrid_instance_the_budget_cannot_grow_in_both_pools_is_under_pressure(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each pool's page id is 12 MiB and a token takes a slot in both: with 18 MiB of
+    # headroom one full-pool page id would fit, but the instance grows only both at once
+    # (joint_growth_pages), so it is stuck, and the policy must ask for memory back
+    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")
+    found = _hybrid("42MiB")  # the two padding page ids, and 18 MiB
+    try:
+        capacity = found.capacity
+        assert capacity.allocator.account.headroom() == 18 << 20
+        assert capacity.free_pages(0, 0) == (8191, 8191)  # the padding page ids' rest only
+        assert capacity.under_pressure()
+    finally:
+        found.close()
+
+
+def test_a_hybrid_instance_follows_its_limit_in_both_pools_before_it_counts_the_excess(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from kvcached.engines.sglang import lifecycle
+    from kvcached.supply import Reclaim
+
+    found = _hybrid("96MiB")
+    try:
+        capacity, window = found.capacity, found.window
+        assert window is not None
+        order: list[str] = []
+        caller = threading.get_ident()  # the pool threads call maintain() too
+        for name, allocator in (("full", capacity.allocator), ("window", window.allocator)):
+            maintain = allocator.maintain
+
+            def recorded(_name: str = name, _maintain: Any = maintain) -> int:
+                if threading.get_ident() == caller:
+                    order.append(_name)
+                return int(_maintain())
+
+            monkeypatch.setattr(allocator, "maintain", recorded)
+        over = capacity.over_limit
+        monkeypatch.setattr(capacity, "over_limit", lambda: order.append("counted") or over())
+        pool = SimpleNamespace(kv_capacity=capacity, give_back_stock=lambda: 0)
+        assert lifecycle.evict_for(pool, None, Reclaim("limit", None)) == (0, 0)
+        # the window pool's emptied extents go back first (room the full pool's limit
+        # sees), and only then is the excess counted, so no more is evicted than needed
+        assert order == ["window", "full", "counted"]
+    finally:
+        found.close()
+
+
+def test_a_pool_of_no_whole_number_of_pages_hands_out_only_its_whole_pages() -> None:
+    # SGLang's window pool can be 1,000 tokens of 16-token pages: its allocator's pages
+    # are 1 to 62 (1000 // 16), over buffers of 1,016 rows; page 63 is partly outside them
+    window = PoolGeometry(segments=2, rows=1000 + 16, row_bytes=256, page_size=16)
+    assert window.pages == 64  # the address space covers the partial page
+    assert window.last_page == 62
+    aligned = PoolGeometry(segments=2, rows=1024 + 16, row_bytes=256, page_size=16)
+    assert aligned.last_page == aligned.pages - 1 == 64
+
+
 def test_the_elastic_classes_top_up_before_sglangs_code_and_pass_the_page_count_it_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -113,6 +113,11 @@ class ElasticCapacity(ElasticSupply):
         """Tokens in one kvcached page id (the unit memory is given back in)."""
         return self.allocator.group.blocks_per_page * self.page_size
 
+    def follow_limit(self) -> None:
+        """The allocator follows the limit now: releases the extents that emptied, so
+        that `over_limit` counts only what SGLang still holds."""
+        self.allocator.maintain()
+
 
 # ---------------------------------------------------- two pools, one instance
 def joint_growth_pages(room: int, costs: list[tuple[int, int]]) -> int:
@@ -163,6 +168,25 @@ class HybridCapacity(ElasticCapacity):
         super().release_empty(wait=wait)
         self.window.release_empty(wait=wait)
 
+    def follow_limit(self) -> None:
+        # the window pool first: what it releases is room the full pool's limit sees
+        self.window.follow_limit()
+        super().follow_limit()
+
+    def _costs(self) -> list[tuple[int, int]]:
+        """Per pool: (bytes of one kvcached page id, SGLang pages in it)."""
+        return [
+            (self.page_id_bytes, self.allocator.group.blocks_per_page),
+            (self.window.page_id_bytes, self.window.allocator.group.blocks_per_page),
+        ]
+
+    def under_pressure(self) -> bool:
+        """The device budget cannot grow this instance by a page in both pools at once
+        (`joint_growth_pages`), the only way it grows: room for one full-pool page id
+        alone would leave it stuck with no instance asked to give memory back."""
+        headroom = self.allocator.account.headroom()
+        return headroom is not None and joint_growth_pages(headroom, self._costs()) == 0
+
     @property
     def bytes_per_token(self) -> int:
         return super().bytes_per_token + self.window.bytes_per_token
@@ -198,13 +222,7 @@ class HybridCapacity(ElasticCapacity):
         """SGLang's free counts of the two pools, in pages: each pool's stock, its mapped
         free pages, and the growth `joint_growth_pages` allows every pool at once (never
         more than the pool's own obtainable count or its unused page ids)."""
-        growth = joint_growth_pages(
-            self.room(),
-            [
-                (self.page_id_bytes, self.allocator.group.blocks_per_page),
-                (self.window.page_id_bytes, self.window.allocator.group.blocks_per_page),
-            ],
-        )
+        growth = joint_growth_pages(self.room(), self._costs())
         counts = []
         for capacity, stock in ((self, full_stock), (self.window, window_stock)):
             mapped = capacity.allocator.mapped_free_blocks()

@@ -7,9 +7,12 @@ has no room left, the instance has been idle), a freed slot on a page that other
 slots still use returns nothing. So `evict_emptying_pages` runs SGLang's own `evict`
 with a different priority: the allocator's `release_order` of the leaves' pages
 (pages with the fewest other live slots first, then the highest, so high extents
-drain); `MambaRadixCache` (hybrid Mamba models, `mamba.py`) and `UnifiedRadixCache`
-(hybrid sliding-window models, `swa.py`; asked for the window tokens too) have no
-such order to swap and evict in their own LRU order. The tree stays consistent (SGLang deletes the
+drain). `MambaRadixCache` (hybrid Mamba models, `mamba.py`) and `UnifiedRadixCache`
+(hybrid sliding-window models, `swa.py`; asked for the window tokens too) evict in
+their own order: the unified cache does rank its `evictable_device_leaves` by its
+eviction strategy, but its nodes keep their slots per component, not in the `value`
+the page-first order reads, so the order is left as SGLang has it (only a cost: more
+prefixes may go before a page empties). The tree stays consistent (SGLang deletes the
 leaves, records its events and metrics); only the order changes. The freed pages
 land in the allocator's stock and `give_back` returns the stock to kvcached, whose
 allocator releases extents once empty (after waiting for the device: `PageAllocator`
@@ -46,8 +49,8 @@ class _PageFirst:
 def evict_emptying_pages(tree_cache: Any, allocator: Any, num_tokens: int) -> int:
     """Evict up to `num_tokens` cached tokens, those that empty pages first; returns the
     tokens evicted. `allocator` is SGLang's (elastic) allocator. A cache without
-    `evictable_leaves` (`MambaRadixCache`, `UnifiedRadixCache`: their LRU lists are
-    their order) evicts in its own order."""
+    `evictable_leaves` (`MambaRadixCache`, `UnifiedRadixCache`) evicts in its own
+    order (the module's docstring says why)."""
     if num_tokens <= 0:
         return 0
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams

@@ -30,8 +30,17 @@ class PoolGeometry:
 
     @property
     def pages(self) -> int:
-        """SGLang's pages, the padding page 0 included."""
+        """SGLang's pages, the padding page 0 included (a partial last page counted:
+        the address space covers it)."""
         return -(-self.rows // self.page_size)
+
+    @property
+    def last_page(self) -> int:
+        """The highest page id SGLang's allocator hands out: its pages are 1 to
+        `size // page_size`, with `size + page_size` rows in the buffers. A size that is
+        not a whole number of pages (SGLang's window pool can get one: its configurator
+        caps it at --max-total-tokens) leaves a partial page no allocator may hand out."""
+        return self.rows // self.page_size - 1
 
     @property
     def page_bytes(self) -> int:

@@ -67,7 +67,7 @@ class SglangInstance:
         #: what SGLang's allocator draws from: an ElasticCapacity or a SharedCapacity
         self.capacity = capacity
         #: SGLang's last usable page id (the rounding up to whole page ids is not)
-        self.last_page = geometry.pages - 1
+        self.last_page = geometry.last_page
         self._owned = owned  # closed after the cache (a replica, a recording backing)
         self.closed = False
         self.pool_allocator: Any = None  # SGLang's allocator, once built (allocator.py)
@@ -117,7 +117,7 @@ def single(
             "--max-mamba-cache-size / --max-running-requests"
         )
     capacity = ElasticCapacity(
-        allocator, last_page=geometry.pages - 1, page_size=geometry.page_size
+        allocator, last_page=geometry.last_page, page_size=geometry.page_size
     )
     return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
 
@@ -165,10 +165,10 @@ def hybrid(
         cache.close()
         raise
     window_capacity = ElasticCapacity(
-        window_allocator, last_page=window[0].pages - 1, page_size=window[0].page_size
+        window_allocator, last_page=window[0].last_page, page_size=window[0].page_size
     )
     capacity = HybridCapacity(
-        allocator, window_capacity, last_page=full[0].pages - 1, page_size=full[0].page_size
+        allocator, window_capacity, last_page=full[0].last_page, page_size=full[0].page_size
     )
     found = SglangInstance(full[0], full[1], cache=cache, allocator=allocator, capacity=capacity)
     found.window = WindowPool(window[0], window[1], window_allocator, window_capacity)

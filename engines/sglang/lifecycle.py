@@ -84,7 +84,7 @@ def evict_for(allocator: Any, tree_cache: Any, reclaim: Reclaim) -> tuple[int, i
         )
         return evicted, returned
     returned = allocator.give_back_stock()
-    capacity.allocator.maintain()  # the allocator releases what emptied
+    capacity.follow_limit()  # what emptied is released (both pools of a pair)
     excess = capacity.over_limit()
     if excess <= 0 or tree_cache is None:
         return 0, returned

@@ -188,10 +188,13 @@ class ElasticSWAAllocator(TopsUpFirst):
         """Both stocks hold `pages` pages, or False. The free counts promised them, but
         one pool's growth can take room the count gave the other (pages mapped ahead
         by its pool thread, or a top-up's spare pages): then the spare pages and the
-        empty extents go back, and both are topped up again with no spare."""
+        empty extents go back, and both are topped up again with no spare. The first
+        pass does not wait: a take that fails there has mostly lost its room to the
+        other pool, which a wait would not bring back (it held the scheduler for the
+        supply's race window, 2 s, with SGLang pages of 128 tokens)."""
         self._counted = None
         full, window = self.full_attn_allocator, self.swa_attn_allocator
-        if full._top_up(pages) and window._top_up(pages):
+        if full._top_up(pages, wait=0) and window._top_up(pages, wait=0):
             return True
         for sub in (full, window):
             if sub.stock_pages() > pages:

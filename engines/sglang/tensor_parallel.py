@@ -374,12 +374,12 @@ def start_rank(
                 channel.broadcast(_Failed(str(exc)))
                 raise
             local = ElasticCapacity(
-                allocator, last_page=geometry.pages - 1, page_size=geometry.page_size
+                allocator, last_page=geometry.last_page, page_size=geometry.page_size
             )
         capacity = SharedCapacity(
             channel,
             replica,
-            last_page=geometry.pages - 1,
+            last_page=geometry.last_page,
             page_size=geometry.page_size,
             local=local,
             recording=recording,

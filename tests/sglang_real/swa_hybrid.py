@@ -210,4 +210,66 @@ assert float(wide.full_kv_pool.v_buffer[1][slots].float().mean()) == 3.5
 alloc.free(slots)
 print("two widths:", rows, "bytes a row;", found)
 instance.close()
+
+
+def pair(size: int, size_swa: int, page_size: int) -> tuple[SWAKVPool, object]:
+    """A one-layer-each pair of SGLang pages of `page_size` tokens, made elastic."""
+    kv = SWAKVPool(
+        size=size,
+        size_swa=size_swa,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=width,
+        swa_attention_layer_ids=[0],
+        full_attention_layer_ids=[1],
+        device=device,
+    )
+    made = elastic_allocator(
+        lambda _c: SWATokenToKVPoolAllocator(
+            size, size_swa, page_size, torch.bfloat16, device, kvcache=kv, need_sort=False
+        ),
+        None,
+    )
+    return kv, made
+
+
+# pages of 128 tokens: the full pool's top-up with its spare pages (256 SGLang pages,
+# several page ids) takes room the joint count gave the window pool. Both stocks still
+# fill, and no take waits out the supply's race window on the scheduler's thread
+import kvcached.supply as supply  # noqa: E402
+
+_, alloc = pair(2048 * 128, 2048 * 128, 128)
+found = instance.current()
+assert found is not None and found.cache is not None
+found.cache.set_limit(40 << 20)  # page ids of 4 MiB a pool: the spare is 4 of them
+pages = min(alloc.full_available_size(), alloc.swa_available_size()) // 128
+waits: list[float] = []
+real_sleep = supply.time.sleep
+supply.time.sleep = lambda seconds: (waits.append(seconds), real_sleep(seconds))[1]
+try:
+    assert alloc._ensure(pages), "the pages both counts promised could not be stocked"
+finally:
+    supply.time.sleep = real_sleep
+stocks = (alloc.full_attn_allocator.stock_pages(), alloc.swa_attn_allocator.stock_pages())
+print("pages of 128:", pages, "promised, stocks", stocks, "; waits", len(waits))
+assert min(stocks) >= pages and not waits, f"{len(waits)} waits for a take on the scheduler"
+instance.close()
+
+# a window size of no whole number of pages (SGLang's configurator caps the window pool
+# at --max-total-tokens): SGLang's pages are 1 to size // page_size, and kvcached hands
+# out no other, nor counts more free than the size (SGLang asserts it at every free)
+_, alloc = pair(256 * 16, 1000, 16)
+window = alloc.swa_attn_allocator
+assert window.num_pages == 1000 // 16
+free_now = alloc.swa_available_size()
+assert free_now <= 1000, f"the window pool counts {free_now} free of 1000"
+assert alloc._ensure(free_now // 16), "the window's free pages could not be stocked"
+highest = int(window.free_pages.max())  # every page the window pool was handed
+assert highest <= window.num_pages, f"window page {highest} past SGLang's {window.num_pages}"
+# what SGLang's SWATokenToKVPoolAllocator.free asserts of both pools at every free
+for sub in (window, alloc.full_attn_allocator):
+    assert sub.available_size() <= sub.size, f"{sub.available_size()} free of {sub.size}"
+print("window of 1000 tokens:", free_now, "free, highest page", highest)
+instance.close()
 print("SWA-REAL-SGLANG-OK")
