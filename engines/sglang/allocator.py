@@ -36,6 +36,7 @@ from kvcached.engines.sglang import instance, swa
 from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.elastic_classes import TopsUpFirst, subclass_with
 from kvcached.engines.sglang.refusals import Refused
+from kvcached.supply import RACE_RETRY_S
 
 log = logging.getLogger("sglang.kvcached")
 
@@ -70,10 +71,10 @@ class ElasticAllocator(TopsUpFirst):
     def stock_pages(self) -> int:
         return int(len(self.free_pages) + len(self.release_pages))
 
-    def _top_up(self, pages: int, *, spare: bool = True, wait: float | None = None) -> bool:
+    def _top_up(self, pages: int, *, spare: bool = True, wait: float = RACE_RETRY_S) -> bool:
         """At least `pages` pages in the stock; `spare`: and `TOP_UP_EXTRA` more when
         kvcached has them at once. `wait`: how long a take the count promised may retry
-        a race with the pool thread (None: the supply's default)."""
+        a race with the pool thread."""
         import torch
 
         short = pages - len(self.free_pages)
@@ -85,7 +86,7 @@ class ElasticAllocator(TopsUpFirst):
         if spare and capacity.obtainable() >= short + extra:
             ids = capacity.take(short + extra, wait=0)
         if ids is None:
-            ids = capacity.take(short) if wait is None else capacity.take(short, wait=wait)
+            ids = capacity.take(short, wait=wait)
         if ids is None:
             return False
         added = torch.tensor(ids, dtype=torch.int64, device=self.device)

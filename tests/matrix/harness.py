@@ -408,18 +408,15 @@ def run_row(
     }
 
 
-def _out_of_time(why: str) -> str:
-    """A run the row's time could not hold: the row's figures stand, the run needs a
-    command with more time."""
-    return f"out of time: {why}; run the row alone or with a later DEADLINE"
-
-
 def _killed_or_failed(error: str, timeout: float) -> str:
-    """A run the row's time bound killed says so (`_out_of_time`), any other error as
-    it came."""
+    """A run the row's time bound killed says so (the row's figures stand, the run
+    needs a command with more time), any other error as it came."""
     if not error.startswith("TimeoutError: no result"):
         return error
-    return _out_of_time(f"the row's {timeout:.0f} s ran out during this run ({error})")
+    return (
+        f"out of time: the row's {timeout:.0f} s ran out during this run ({error}); "
+        "run the row alone or with a later DEADLINE"
+    )
 
 
 def engine_label(gpu: bool, engine: str = "vllm") -> str:
