@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -499,15 +500,23 @@ def test_an_idle_engine_ends_the_cooling(backing: BackingBuffer) -> None:
         assert queue.unused_blocks == len(queue._retained)
 
 
+def _queue_told_by_the_count() -> tuple[Any, Callable[[], tuple[int | None, Any]]]:
+    """An elastic free queue with nothing else set up, and what the count last told it:
+    the need and prefix hits its next free-block count is compared with."""
+    from kvcached.engines.vllm.block_pool import ElasticFreeQueue
+
+    queue = object.__new__(ElasticFreeQueue)
+    queue._expected, queue._expected_hits = None, ()
+    return queue, lambda: (queue._expected, queue._expected_hits)
+
+
 def test_the_count_wrapper_passes_the_prefix_hits_however_vllm_passes_them() -> None:
     # Note [A counted block is a taken block]: the coordinator's count reaches the free
     # queue with its prefix hits, given by position or by keyword (the wrapper finds
     # their position once instead of binding the signature at every call)
-    from kvcached.engines.vllm.block_pool import ElasticFreeQueue, counted_for_the_comparison
+    from kvcached.engines.vllm.block_pool import counted_for_the_comparison
 
-    told: list[tuple[int, Any]] = []
-    queue = object.__new__(ElasticFreeQueue)
-    queue.expect = lambda need, hits=(): told.append((need, hits))  # type: ignore[method-assign]
+    queue, told = _queue_told_by_the_count()
 
     def count(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any,
               num_encoder_tokens: int = 0) -> int:  # fmt: skip
@@ -517,12 +526,16 @@ def test_the_count_wrapper_passes_the_prefix_hits_however_vllm_passes_them() -> 
     coordinator = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=queue))
     hits = (["block"],)
     assert wrapped(coordinator, "a", 64, hits) == 4
+    assert told() == (4, hits)
     assert wrapped(coordinator, "b", 32, new_computed_blocks=hits, num_encoder_tokens=0) == 2
+    assert told() == (2, hits)
     assert wrapped(coordinator, request_id="c", num_tokens=16, new_computed_blocks=None) == 1
-    assert told == [(4, hits), (2, hits), (1, ())]
+    assert told() == (1, ())
+    assert wrapped(coordinator, "z", 8, hits) == 0
+    assert told() == (0, ())  # a need of zero spares no prefix hit
     plain = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=[]))
     assert wrapped(plain, "d", 48, hits) == 3  # vLLM's own queue: nothing is told
-    assert len(told) == 3
+    assert told() == (0, ())
 
 
 def test_the_count_wrapper_takes_the_counts_own_parameters_so_keywords_are_not_repacked() -> None:
@@ -531,11 +544,9 @@ def test_the_count_wrapper_takes_the_counts_own_parameters_so_keywords_are_not_r
     # copy (*args, **kwargs) still gets a wrapper that passes the hits on
     import inspect
 
-    from kvcached.engines.vllm.block_pool import ElasticFreeQueue, counted_for_the_comparison
+    from kvcached.engines.vllm.block_pool import counted_for_the_comparison
 
-    told: list[tuple[int, Any]] = []
-    queue = object.__new__(ElasticFreeQueue)
-    queue.expect = lambda need, hits=(): told.append((need, hits))  # type: ignore[method-assign]
+    queue, told = _queue_told_by_the_count()
     coordinator = SimpleNamespace(block_pool=SimpleNamespace(free_block_queue=queue))
 
     def count(self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any,
@@ -547,9 +558,11 @@ def test_the_count_wrapper_takes_the_counts_own_parameters_so_keywords_are_not_r
     assert wrapped.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) == 0
     hits = (["block"],)
     assert wrapped(coordinator, request_id="a", num_tokens=64, new_computed_blocks=hits) == 4
+    assert told() == (4, hits)
     assert wrapped(coordinator, "b", 32, hits, apply_admission_cap=True, prefill_end=2) == 5
+    assert told() == (5, hits)
     assert wrapped(coordinator, "c", 0, hits) == 0  # a need of zero: no hits passed on
-    assert told == [(4, hits), (5, hits), (0, ())]
+    assert told() == (0, ())
     with pytest.raises(TypeError):
         wrapped(coordinator, "d", 16, hits, True)  # keyword-only stays keyword-only
 
@@ -558,4 +571,4 @@ def test_the_count_wrapper_takes_the_counts_own_parameters_so_keywords_are_not_r
 
     generic = counted_for_the_comparison(loose)
     assert generic(coordinator, num_tokens=48, new_computed_blocks=hits) == 3
-    assert told[-1] == (3, hits)
+    assert told() == (3, hits)
