@@ -426,12 +426,11 @@ def counted_for_the_comparison(original: Callable[..., int]) -> Callable[..., in
 def _tell_the_queue(coordinator: Any, need: int, hits: Any) -> None:
     """The count reaches the elastic free queue (vLLM's own queue is told nothing)."""
     queue = coordinator.block_pool.free_block_queue
-    if queue.__class__ is ElasticFreeQueue:
-        # `expect`, inline: this runs once per running request per step. vLLM counts
-        # each prefix hit that sits in the free queue as a block to allocate, so a need
-        # of zero (most requests at a decode step) has no retained hit to spare
-        queue._expected = need
-        queue._expected_hits = (hits or ()) if need else ()
+    if queue.__class__ is not ElasticFreeQueue:
+        return
+    # vLLM counts each prefix hit that sits in the free queue as a block to allocate, so
+    # a need of zero (most requests at a decode step) has no retained hit to spare
+    queue.expect(need, (hits or ()) if need else ())
 
 
 def _forwarding(
