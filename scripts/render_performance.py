@@ -211,24 +211,29 @@ def _step_parts(files: dict[str, Rows]) -> list[str]:
     """With `--step-times`: per cell, the median seconds a steady batch spent in each part
     of the engine's steps on each side, and the scheduler's time over the untouched
     parts' time, batch by batch (median): a machine running slower for a while slows
-    every part alike, so that quotient leaves kvcached's own scheduler cost."""
+    every part alike, so that quotient leaves kvcached's own scheduler cost. A sweep's
+    file holds its cells one after the other, each cell's batches before its summary."""
     body = []
     for name, rows in files.items():
-        batches = [r for r in rows if r.get("bench") == "vllm_overhead" and "host_s" in r]
-        steady = [r for r in batches if r["batch"] > 0]
+        steady: Rows = []  # the batches of the cell whose summary comes next in the file
         for row in rows:
-            if row.get("bench") != "vllm_overhead_summary" or "host_s_median" not in row:
+            if row.get("bench") == "vllm_overhead" and "host_s" in row and row["batch"] > 0:
+                steady.append(row)
+            if row.get("bench") != "vllm_overhead_summary":
+                continue
+            cell_batches, steady = steady, []
+            if "host_s_median" not in row:
                 continue
             cell = f"`{_sweep_cell(row['config']['label'], name)}`"
             for part, sides in row["host_s_median"].items():
                 ratio = sides["kvcached"] / sides["vllm"] if sides["vllm"] else None
                 body.append([cell, part, sides["vllm"], sides["kvcached"], _round(ratio, 3)])
 
-            def share(kvcached: bool, steady: Rows = steady) -> float:
+            def share(kvcached: bool, batches: Rows = cell_batches) -> float:
                 return statistics.median(
                     sum(r["host_s"][p] for p in SCHEDULER_PARTS)
                     / sum(r["host_s"][p] for p in UNTOUCHED_PARTS)
-                    for r in steady
+                    for r in batches
                     if r["kvcached"] is kvcached
                 )
 

@@ -135,6 +135,26 @@ def test_overhead_plot_is_drawn_from_the_points(tmp_path: Path) -> None:
     assert ">cell-a<" in svg and ">cell-b<" in svg and ">cell-c<" not in svg
 
 
+def test_step_parts_divide_each_cells_own_batches() -> None:
+    # a sweep's file holds its cells one after the other, each cell's batches before its
+    # summary: a cell's scheduler quotient comes from its batches alone
+    def batch(kvcached: bool, scheduler: float) -> dict[str, object]:
+        parts = {"schedule": scheduler, "update_from_output": 0.0,
+                 "execute_model": 1.0, "sample_tokens": 0.0}  # fmt: skip
+        return {"bench": "vllm_overhead", "kvcached": kvcached, "batch": 1, "host_s": parts}
+
+    def summary(label: str) -> dict[str, object]:
+        steps = {"step": {"kvcached": 1.0, "vllm": 1.0}}
+        return {"bench": "vllm_overhead_summary", "config": {"label": label},
+                "host_s_median": steps}  # fmt: skip
+
+    rows = [batch(True, 2.0), batch(False, 1.0), summary("a"),
+            batch(True, 3.0), batch(False, 1.0), summary("b")]  # fmt: skip
+    lines = render_performance._step_parts({"h/sweep.jsonl": rows})
+    quotients = [line.split("|")[-2].strip() for line in lines if "untouched" in line]
+    assert quotients == ["2", "3"]
+
+
 _PER_HANDLE = re.compile(r"(handle|cuMemSetAccess|set-access|set access)", re.IGNORECASE)
 _MICROSECONDS = re.compile(r"\d(?:[\d.,\u2013-]*\d)?\s*(?:µs|us)\b")  # ranges: 51-58 µs
 
