@@ -142,6 +142,35 @@ def test_idle_model_unloads_after_keep_alive_and_reloads(
         running.stop()
 
 
+def test_a_model_unloaded_when_its_request_ends_still_answers_the_request(
+    model_dirs: list[str], ledger_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # keep_alive 0 unloads the model as soon as its last request ends, which can be
+    # before the answer is written (the CI flake of 2026-12-05: a 500, the tokenizer
+    # gone). Here the answer waits until the model is gone, every time
+    running = Running(MultiModelServer(model_dirs[:1], keep_alive_s=3600, budget="1GiB"))
+    served = running.server.models["alpha"]
+    admit = MultiModelServer.admit
+
+    def admit_then_unload(self: MultiModelServer, *args: Any, **kwargs: Any) -> Any:
+        admitted = admit(self, *args, **kwargs)
+        wait_for(lambda: served.tokenizer is None, "keep_alive 0 to unload alpha")
+        return admitted
+
+    monkeypatch.setattr(MultiModelServer, "admit", admit_then_unload)
+    try:
+        for stream in (False, True):
+            answer = running.client.completions.create(
+                model="alpha", prompt="dog", max_tokens=2, stream=stream,
+                extra_body={"keep_alive": 0},
+            )  # fmt: skip
+            chunks = list(answer) if stream else [answer]
+            assert chunks[-1].choices[0].finish_reason in {"length", "stop"}
+            assert served.model is None
+    finally:
+        running.stop()
+
+
 def test_budget_too_small_for_a_model_is_refused_at_start(
     model_dirs: list[str], ledger_dir: Path
 ) -> None:

@@ -647,7 +647,8 @@ class MultiModelServer:
         prompt cache) at the end. Raises ShuttingDown when the server stops first."""
         self._check_stopping()
         served.acquire(self.make_room)
-        eos = frozenset(getattr(served.tokenizer, "eos_token_ids", []) or [])
+        tokenizer = served.tokenizer  # read while the request holds the model
+        eos = frozenset(getattr(tokenizer, "eos_token_ids", []) or [])
         work = Work(
             plan.prompt, plan.max_tokens, plan.capacity, plan.sampling, plan.top_logprobs, eos
         )
@@ -658,7 +659,7 @@ class MultiModelServer:
         except BaseException:
             served.done()
             raise
-        return TokenStream(sequence)
+        return TokenStream(sequence, tokenizer)
 
     def _check_stopping(self) -> None:
         if self._stop.is_set():
@@ -720,10 +721,13 @@ class TokenStream(Iterator[TokenStep]):
     request and waits until its KV is released or cached; `cancel()`, from any
     thread, asks its model's scheduler to drop it at the next step without waiting (a
     client that went away mid-stream); the others in its batch go on.
-    `reused_tokens`: prompt tokens its KV took from the prompt cache."""
+    `reused_tokens`: prompt tokens its KV took from the prompt cache. `tokenizer`: its
+    model's, kept for writing the answer, since the model may be unloaded as soon as
+    the request ends (a keep_alive of 0), before the answer is written."""
 
-    def __init__(self, sequence: BatchRequest) -> None:
+    def __init__(self, sequence: BatchRequest, tokenizer: Any) -> None:
         self._sequence = sequence
+        self.tokenizer = tokenizer
 
     def __next__(self) -> TokenStep:
         step = self._sequence.get()
@@ -964,14 +968,22 @@ def build_app(server: MultiModelServer) -> Any:
             return _unavailable(exc)
         prompt_tokens, cached = len(made.prompt), tokens.reused_tokens
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        answer = _Answer(served, rid, chat, req.top_logprobs_asked(), prompt_tokens, cached)
+        answer = _Answer(
+            served.name,
+            tokens.tokenizer,
+            rid,
+            chat,
+            req.top_logprobs_asked(),
+            prompt_tokens,
+            cached,
+        )
         steps = _chain([first], tokens)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             watch.stop()  # from here the stream's own disconnect handling ends it
 
             async def events() -> AsyncIterator[str]:
-                pieces = _pieces(served.tokenizer, steps, req.stop, safe=True)
+                pieces = _pieces(tokens.tokenizer, steps, req.stop, safe=True)
                 try:
                     async for chunk in iterate_in_threadpool(_sse(answer.stream(pieces, usage))):
                         yield chunk
@@ -983,7 +995,7 @@ def build_app(server: MultiModelServer) -> Any:
 
             return StreamingResponse(events(), media_type="text/event-stream")
         try:
-            pieces = await run_in_threadpool(list, _pieces(served.tokenizer, steps, req.stop))
+            pieces = await run_in_threadpool(list, _pieces(tokens.tokenizer, steps, req.stop))
         except (OutOfMemory, ShuttingDown) as exc:  # a reload that no longer fits, a stop
             _log_request(route, served.name, 503, prompt_tokens, 0, started)
             return _unavailable(exc)
@@ -1187,14 +1199,15 @@ class _Answer:
 
     def __init__(
         self,
-        served: ServedModel,
+        model: str,
+        tokenizer: Any,
         rid: str,
         chat: bool,
         top_logprobs: int | None,
         prompt: int,
         cached: int = 0,
     ) -> None:
-        self.served, self.rid, self.chat = served, rid, chat
+        self.model, self.tokenizer, self.rid, self.chat = model, tokenizer, rid, chat
         self.top_logprobs = top_logprobs
         self.prompt_tokens = prompt
         self.cached_tokens = cached
@@ -1212,7 +1225,7 @@ class _Answer:
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.rid, "object": kind + (".chunk" if chunk and self.chat else ""),
-                "created": self.created, "model": self.served.name}  # fmt: skip
+                "created": self.created, "model": self.model}  # fmt: skip
 
     def whole(self, pieces: list[Piece]) -> dict[str, Any]:
         steps = [s for p in pieces for s in p.steps]
@@ -1251,7 +1264,7 @@ class _Answer:
         `text_offset`), or chat's `content` list of tokens with their bytes."""
         if self.top_logprobs is None:
             return None
-        tokenizer = self.served.tokenizer
+        tokenizer = self.tokenizer
 
         def entry(token: int, logprob: float | None) -> dict[str, Any]:
             raw = token_bytes(tokenizer, token)
