@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
 import shim_scan
+from hypothesis import given
 
 from kvcached import contacts
 from kvcached.backends.host import HostBackend
@@ -821,20 +824,73 @@ def test_sliding_window_hybrids_are_served_with_one_rank_and_refused_with_more(
 
 
 # ------------------------------------------------------ hybrid sliding-window models
-def test_joint_growth_never_promises_one_byte_to_two_pools() -> None:
-    from kvcached.engines.sglang.capacity import joint_growth_pages
+def test_the_joint_level_never_promises_one_byte_to_two_pools() -> None:
+    from kvcached.engines.sglang.capacity import joint_level
 
     mib = 1 << 20
     # two pools whose page id is 12 MiB over 8192 SGLang pages: a page costs 3 KiB in both
     costs = [(12 * mib, 8192), (12 * mib, 8192)]
-    assert joint_growth_pages(72 * mib, costs) == 16384  # (72 - 2 x 12) MiB / 3 KiB
-    assert joint_growth_pages(24 * mib, costs) == 0  # only the page-id margin is left
-    assert joint_growth_pages(0, costs) == 0
+    assert joint_level(72 * mib, costs, (0, 0)) == 16384  # (72 - 2 x 12) MiB / 3 KiB
+    assert joint_level(24 * mib, costs, (0, 0)) == 0  # only the page-id margin is left
+    assert joint_level(0, costs, (0, 0)) == 0
+    assert joint_level(0, costs, (7, 9)) == 7  # no room: what both have already
     # pools of other widths (Gemma 4: the full layers' pages cost more)
     uneven = [(16 * mib, 4096), (4 * mib, 8192)]
-    pages = joint_growth_pages(100 * mib, uneven)
+    pages = joint_level(100 * mib, uneven, (0, 0))
     assert pages * (16 * mib / 4096 + 4 * mib / 8192) <= 80 * mib
     assert (pages + 1) * (16 * mib / 4096 + 4 * mib / 8192) > 80 * mib
+
+
+def test_the_joint_level_gives_the_room_to_the_pool_short_of_pages() -> None:
+    from kvcached.engines.sglang.capacity import joint_level
+
+    mib = 1 << 20
+    costs = [(12 * mib, 8192), (12 * mib, 8192)]  # 1.5 KiB a page in each pool
+    # the window pool has 20,000 free pages (slots of tokens that left the window): the
+    # full pool alone grows, 32,768 pages on the 48 MiB (an even split gave it 16,384)
+    assert joint_level(72 * mib, costs, (0, 20000)) == 20000 + (48 * mib - 20000 * 1536) // 3072
+    assert joint_level(72 * mib, costs, (0, 40000)) == 32768
+    # and the one with pages to spare needs none of the room, whichever it is
+    assert joint_level(72 * mib, costs, (40000, 0)) == 32768
+
+
+@given(
+    room=st.integers(0, 1 << 34),
+    costs=st.lists(
+        st.tuples(st.sampled_from([2, 4, 12, 32]), st.sampled_from([512, 4096, 8192])),
+        min_size=2,
+        max_size=3,
+    ),
+    free=st.lists(st.integers(0, 1 << 18), min_size=3, max_size=3),
+)
+def test_the_joint_level_is_the_highest_the_room_pays_for(
+    room: int, costs: list[tuple[int, int]], free: list[int]
+) -> None:
+    from kvcached.engines.sglang.capacity import joint_level
+
+    costs = [(mib << 20, pages) for mib, pages in costs]
+    free = free[: len(costs)]
+    level = joint_level(room, costs, free)
+    spare = room - sum(page_id for page_id, _ in costs)
+
+    def cost(at: int) -> Fraction:  # the growth every pool needs to have `at` pages free
+        return sum(
+            (
+                max(0, at - has) * Fraction(page_id, pages)
+                for has, (page_id, pages) in zip(free, costs, strict=True)
+            ),
+            Fraction(0),
+        )
+
+    assert level >= min(free)
+    if spare <= 0:
+        assert level == min(free)
+        return
+    assert cost(level) <= spare, "promised more than the room"
+    assert cost(level + 1) > spare, "a page more was paid for"
+    # never below the even split of the counts before 2026-12-05
+    even = spare / sum(Fraction(page_id, pages) for page_id, pages in costs)
+    assert level >= int(min(free) + even)
 
 
 def _hybrid(budget: str) -> instance.SglangInstance:
@@ -888,6 +944,33 @@ def test_a_hybrid_instance_splits_its_room_between_the_pools_it_counts_free(
         found.close()
 
 
+def test_a_hybrid_instances_room_goes_to_the_pool_short_of_pages(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # decoding past the window: the window pool's stock holds 20,000 slots SGLang gave
+    # back (free_swa), which cost no room; the 48 MiB left go to the full pool alone
+    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")  # nothing mapped ahead: exact figures
+    found = _hybrid("96MiB")
+    try:
+        capacity, window = found.capacity, found.window
+        assert window is not None
+        stock = window.capacity.take(20000)  # the window's stock (its own page ids)
+        assert stock is not None
+        capacity.recount()
+        window.capacity.recount()
+        room = capacity.room()
+        assert room == 48 << 20  # 96 MiB less the padding page ids and the window's 24
+        full_free, window_free = capacity.free_pages(0, len(stock))
+        # the full pool: the rest of its padding page id, and the room less its margin
+        # in 1.5 KiB slots (an even split of the growth counted 8191 + 8192)
+        assert full_free == 8191 + (room - (24 << 20)) // 1536 == 8191 + 16384
+        assert window_free == len(stock) + window.capacity.allocator.mapped_free_blocks()
+        assert window_free >= full_free  # the window needs none of the room
+        assert capacity.take(full_free) is not None  # and the full pool has it
+    finally:
+        found.close()
+
+
 def test_a_hybrid_instance_is_one_ledger_row_and_closes_both_pools(ledger_env: Path) -> None:
     found = _hybrid("96MiB")
     cache = found.cache
@@ -922,7 +1005,7 @@ def test_a_hybrid_instance_the_budget_cannot_grow_in_both_pools_is_under_pressur
 ) -> None:
     # each pool's page id is 12 MiB and a token takes a slot in both: with 18 MiB of
     # headroom one full-pool page id would fit, but the instance grows only both at once
-    # (joint_growth_pages), so it is stuck, and the policy must ask for memory back
+    # (joint_level), so it is stuck, and the policy must ask for memory back
     monkeypatch.setenv("KVCACHED_POOL_LOW", "0")
     found = _hybrid("42MiB")  # the two padding page ids, and 18 MiB
     try:

@@ -27,6 +27,9 @@ has the same methods and keeps every rank's answers identical.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from kvcached.allocator import PageAllocator
 from kvcached.engines.sglang.geometry import PADDING_PAGE
 from kvcached.supply import PRESSURE_SHARE, RACE_RETRY_S, ElasticSupply
@@ -120,20 +123,39 @@ class ElasticCapacity(ElasticSupply):
 
 
 # ---------------------------------------------------- two pools, one instance
-def joint_growth_pages(room: int, costs: list[tuple[int, int]]) -> int:
-    """Pages each of several pools may count beyond what it has mapped, when a new token
-    takes a slot in every pool at once (SGLang's hybrid sliding-window allocator hands
-    out a full-attention slot and a window slot together) and all of them draw on
-    `room` bytes of one instance's limit and budget. `costs`: per pool (bytes of one
-    kvcached page id, SGLang pages in it). Counting each pool's growth as the whole room
-    would promise the same bytes twice; this promises `g` pages in every pool with
-    g x (what a page costs in all pools) <= room, less one page id per pool (growth
-    comes in whole page ids)."""
+def joint_level(room: int, costs: list[tuple[int, int]], free: Sequence[int]) -> int:
+    """The most free pages every one of several pools can count at once, when a new
+    token takes a slot in every pool (SGLang's hybrid sliding-window allocator hands out
+    a full-attention slot and a window slot together) and their growth draws on `room`
+    bytes of one instance's limit and budget. `costs`: per pool (bytes of one kvcached
+    page id, SGLang pages in it); `free`: per pool, pages it has already (its stock and
+    the free pages of its mapped page ids, which cost no room).
+
+    Each pool counts the larger of its own free pages and this level, so the pools
+    together promise growth of max(0, level - free) pages each, whose cost fits the
+    room once, less one page id per pool (growth comes in whole page ids). The pools
+    short of pages grow first: a pool with pages to spare (window slots SGLang gave
+    back as tokens left the window) needs none of the room, which then goes to the
+    others. (Giving every pool the same growth, as the counts did until 2026-12-05,
+    promised the pool with pages to spare growth that no take of the moment could
+    use, and the short one less than the room allows.)"""
     spare = room - sum(page_id_bytes for page_id_bytes, _ in costs)
+    level = min(free)
     if spare <= 0:
-        return 0
-    per_page = sum(page_id_bytes / pages for page_id_bytes, pages in costs)
-    return int(spare // per_page)
+        return level
+    # in integers (exact): costs per page scaled by a multiple of every pool's pages
+    scale = math.lcm(*(pages for _, pages in costs))
+    spare *= scale
+    per_page = [page_id_bytes * (scale // pages) for page_id_bytes, pages in costs]
+    pools = sorted(zip(free, per_page, strict=True))
+    rate = 0  # what a page more costs, over the pools short of the level
+    for i, (_, cost) in enumerate(pools):
+        rate += cost
+        if i + 1 == len(pools) or (pools[i + 1][0] - level) * rate > spare:
+            return level + spare // rate
+        spare -= (pools[i + 1][0] - level) * rate
+        level = pools[i + 1][0]
+    raise AssertionError("not reached: the last pool returns")
 
 
 class HybridCapacity(ElasticCapacity):
@@ -182,10 +204,10 @@ class HybridCapacity(ElasticCapacity):
 
     def under_pressure(self) -> bool:
         """The device budget cannot grow this instance by a page in both pools at once
-        (`joint_growth_pages`), the only way it grows: room for one full-pool page id
+        (`joint_level` from none), the only way it grows: room for one full-pool page id
         alone would leave it stuck with no instance asked to give memory back."""
         headroom = self.allocator.account.headroom()
-        return headroom is not None and joint_growth_pages(headroom, self._costs()) == 0
+        return headroom is not None and joint_level(headroom, self._costs(), (0, 0)) == 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -219,13 +241,15 @@ class HybridCapacity(ElasticCapacity):
         return max(0, room)
 
     def free_pages(self, full_stock: int, window_stock: int) -> tuple[int, int]:
-        """SGLang's free counts of the two pools, in pages: each pool's stock, its mapped
-        free pages, and the growth `joint_growth_pages` allows every pool at once (never
-        more than the pool's own obtainable count or its unused page ids)."""
-        growth = joint_growth_pages(self.room(), self._costs())
-        counts = []
-        for capacity, stock in ((self, full_stock), (self.window, window_stock)):
-            mapped = capacity.allocator.mapped_free_blocks()
-            extra = min(capacity.obtainable(), mapped + growth, capacity.unused_pages())
-            counts.append(stock + extra)
-        return counts[0], counts[1]
+        """SGLang's free counts of the two pools, in pages: each pool's stock and its
+        mapped free pages, raised to the level `joint_level` allows both pools at once
+        (never by more than the pool's own obtainable count or its unused page ids)."""
+        pools = ((self, full_stock), (self.window, window_stock))
+        mapped = [capacity.allocator.mapped_free_blocks() for capacity, _ in pools]
+        free = [stock + more for (_, stock), more in zip(pools, mapped, strict=True)]
+        level = joint_level(self.room(), self._costs(), free)
+        full, window = (
+            stock + min(capacity.obtainable(), max(has, level) - stock, capacity.unused_pages())
+            for (capacity, stock), has in zip(pools, free, strict=True)
+        )
+        return full, window

@@ -18,8 +18,10 @@ kvcached serves both pools, each as it serves one MHA pool (`buffers.py`):
 * the allocators: each sub-allocator is elastic (`allocator.ElasticAllocator`) over its
   pool's pages. The composite (`ElasticSWAAllocator`) counts free memory *jointly*:
   both pools draw on one row's limit and the device budget, and a new token costs a
-  page in each, so each pool's free count is its stock and mapped pages plus the
-  growth the shared room allows in both at once (`capacity.joint_growth_pages`);
+  page in each, so each pool's free count is its stock and mapped pages, raised to
+  the level the shared room allows both at once, the pool short of pages growing
+  first (`capacity.joint_level`: window slots SGLang gave back as tokens left the
+  window cost no room, which then goes to the full pool);
   counting the whole room for each pool would promise the same bytes twice, SGLang
   would admit a batch on both counts, and the allocation would then fail as SGLang's
   `RuntimeError("Prefill out of memory")`. Before SGLang's code allocates, both

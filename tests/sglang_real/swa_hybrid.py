@@ -272,4 +272,37 @@ for sub in (window, alloc.full_attn_allocator):
     assert sub.available_size() <= sub.size, f"{sub.available_size()} free of {sub.size}"
 print("window of 1000 tokens:", free_now, "free, highest page", highest)
 instance.close()
+
+# decoding past the window: SGLang gives back the window slots of tokens that left it
+# (free_swa), and those slots, free in mapped pages, cost no room. The room under the
+# limit then goes to the full pool alone (capacity.joint_level): its count is the room
+# in full-pool slots, about twice the even split of both pools' growth (the counts until
+# 2026-12-05), and an allocation of what both counts promise succeeds
+_, alloc = pair(1 << 18, 1 << 17, 1)
+found = instance.current()
+assert found is not None and found.cache is not None
+decoded = alloc.alloc(40000)
+assert decoded is not None
+alloc.free_swa(decoded[:39000])  # all but the last 1,000 tokens left the window
+found.cache.set_limit(found.cache.account.reserved + (12 << 20))
+capacity = found.capacity
+full_free, window_free = alloc.full_available_size(), alloc.swa_available_size()
+costs = capacity._costs()
+room = capacity.room()
+mapped = [a.mapped_free_blocks() for a in found.cache.allocators]
+spare = room - sum(page_id for page_id, _ in costs)
+even = (
+    mapped[0]
+    + alloc.full_attn_allocator.stock_pages()
+    + int(spare // sum(page_id / pages for page_id, pages in costs))
+)
+print("past the window: full", full_free, "window", window_free, "free; even split", even)
+assert full_free > 1.5 * even, f"the full pool counts {full_free}, the even split {even}"
+took = alloc.alloc(min(full_free, window_free))
+assert took is not None, "an allocation within both free counts failed"
+assert bool((alloc.full_to_swa_index_mapping[took] > 0).all())
+alloc.free(took)
+alloc.free(decoded)
+instance.close()
+
 print("SWA-REAL-SGLANG-OK")
