@@ -823,6 +823,64 @@ def test_sliding_window_hybrids_are_served_with_one_rank_and_refused_with_more(
         sizing.check_model(model)
 
 
+# ------------------------------------------------------------ the pool statistics
+def _static_token_info(observer: Any) -> SimpleNamespace:
+    """SGLang 0.5.16's `_get_token_info`: used = size - (free + evictable), against the
+    pool's static size, `max_total_num_tokens`."""
+    available = observer.token_to_kv_pool_allocator.kv_capacity.available(
+        observer.token_to_kv_pool_allocator.stock
+    )
+    evictable = observer.evictable
+    used = observer.max_total_num_tokens - (available + evictable)
+    return SimpleNamespace(
+        full_num_used=used,
+        full_token_usage=used / observer.max_total_num_tokens,
+        full_available_size=available,
+        full_evictable_size=evictable,
+    )
+
+
+def test_the_pool_statistics_count_what_the_requests_hold_of_what_the_pool_can_hold(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.engines.sglang import allocator as elastic
+    from kvcached.engines.sglang import pool_stats
+
+    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")  # nothing mapped ahead: exact figures
+    monkeypatch.setattr(elastic, "is_elastic", lambda _a: True)
+    monkeypatch.setattr(pool_stats, "is_elastic", lambda _a: True)
+    found = _instance(ledger_env, rows=4 * 8192 + 1)
+    try:
+        capacity = ElasticCapacity(found.allocator, last_page=found.last_page, page_size=1)
+        size = found.last_page  # SGLang's static size: the whole virtual pool
+        taken = capacity.take(3000)  # 1,000 in the stock, 2,000 SGLang's (300 cached)
+        assert taken is not None
+        pool = _StockOnly(capacity, stock=1000)
+        observer = SimpleNamespace(
+            token_to_kv_pool_allocator=pool, max_total_num_tokens=size, evictable=300
+        )
+        # a limit of a quarter of what the pool could hold: against the static size the
+        # requests' 1,700 tokens read as the three quarters over the limit as well
+        found.cache.set_limit(found.allocator.group.page_id_bytes)
+        capacity.recount()
+        static = _static_token_info(observer)
+        assert static.full_num_used > size // 2, static
+        stats = pool_stats.usage_of_what_it_can_hold(_static_token_info, observer)
+        assert stats.full_num_used == 1700  # 2,000 handed to SGLang, less the 300 cached
+        free = stats.full_available_size
+        assert free == capacity.available(1000) and free < size // 2
+        assert stats.full_token_usage == 1700 / (1700 + 300 + free)
+        assert stats.full_evictable_size == 300  # SGLang's own, unchanged
+        capacity.give(taken)
+        pool.stock = 0
+        observer.evictable = 0
+        idle = pool_stats.usage_of_what_it_can_hold(_static_token_info, observer)
+        assert (idle.full_num_used, idle.full_token_usage) == (0, 0.0)
+        assert _static_token_info(observer).full_token_usage >= 0.7  # idle, read 3/4 used
+    finally:
+        found.close()
+
+
 # ------------------------------------------------------ hybrid sliding-window models
 def test_the_joint_level_never_promises_one_byte_to_two_pools() -> None:
     from kvcached.engines.sglang.capacity import joint_level

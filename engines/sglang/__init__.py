@@ -19,6 +19,8 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
 * `allocator.py`: SGLang's token and paged allocators hand out only mapped slots and
   count as free what kvcached can really supply, so running out of memory becomes
   SGLang's own queueing and retraction; the idle invariant check follows it.
+* `pool_stats.py`: SGLang's token usage and used-token statistics count what its
+  requests hold of what the elastic pool can hold now, not of its virtual size.
 * `eviction.py`: the radix cache gives memory back (limit lowered, budget pressure,
   idle) by evicting the cached prefixes that empty whole pages first.
 * `lifecycle.py`: upkeep on the scheduler's thread, and the cache closing at exit.

@@ -82,6 +82,7 @@ _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker"
 _RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
 _SWA_POOL = "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool"
 _SWA_ALLOCATOR = "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
+_STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer"
 
 SHIMS: tuple[Shim, ...] = (
     # start-up: unsupported options are refused before any process is spawned
@@ -132,6 +133,13 @@ SHIMS: tuple[Shim, ...] = (
         f"{_CHECKER}.SchedulerInvariantChecker._check_swa_pool",
         SUPPORTED,
         _hook("swa", "checks_window_capacity"),
+    ),
+    # pool statistics: usage measured against what the elastic pools can hold now
+    Shim(
+        "pool statistics",
+        f"{_STATS}.SchedulerPoolStatsObserver.get_pool_stats",
+        SUPPORTED,
+        _hook("pool_stats", "usage_of_what_it_can_hold"),
     ),
     # upkeep on the scheduler's thread: while busy (limit, budget pressure) and idle
     Shim(
@@ -404,6 +412,37 @@ CONTACTS: tuple[Contact, ...] = (
         SUPPORTED,
         "swaps",
         "swa.py",
+    ),
+    # pool_stats.py: the statistics' used tokens and usage of the elastic pools
+    Contact(
+        "pool statistics",
+        f"{_STATS}.SchedulerPoolStatsObserver.token_to_kv_pool_allocator",
+        SUPPORTED,
+        "reads",
+        "pool_stats.py",
+    ),
+    *_contacts(
+        "pool statistics",
+        "reads",
+        "pool_stats.py",
+        [
+            f"{_STATS}.PoolStats.{name}"
+            for name in (
+                "full_available_size",
+                "full_evictable_size",
+                "swa_available_size",
+                "swa_evictable_size",
+            )
+        ],
+    ),
+    *_contacts(
+        "pool statistics",
+        "writes",
+        "pool_stats.py",
+        [
+            f"{_STATS}.PoolStats.{name}"
+            for name in ("full_num_used", "full_token_usage", "swa_num_used", "swa_token_usage")
+        ],
     ),
     # eviction.py: SGLang's own radix-cache eviction, in a page-first order
     Contact("eviction", f"{_PREFIX}.EvictParams", SUPPORTED, "imports", "eviction.py"),

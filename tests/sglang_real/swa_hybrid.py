@@ -22,6 +22,9 @@ from types import SimpleNamespace
 import one_rank  # noqa: F401  (SGLang's parallel state for one process, first)
 import torch
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+from sglang.srt.managers.scheduler_components.pool_stats_observer import (
+    SchedulerPoolStatsObserver,
+)
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -166,6 +169,40 @@ for check in CHECKS:
     print("idle check, 5 slots lost:", leak, message)
     assert leak, message
 alloc.free(lost)
+
+# SGLang's pool statistics (its decode log, token-usage metrics and prefill delayer)
+# count each pool's used tokens of what it can hold now, not of its static size
+observer = SchedulerPoolStatsObserver(
+    tree_cache=tree,
+    token_to_kv_pool_allocator=alloc,
+    req_to_token_pool=None,
+    session_controller=None,
+    hisparse_coordinator=None,
+    is_hybrid_swa=True,
+    is_hybrid_ssm=False,
+    enable_hisparse=False,
+    full_tokens_per_layer=full_size,
+    swa_tokens_per_layer=window_size,
+    max_total_num_tokens=full_size,
+    get_last_batch=lambda: None,
+    get_running_batch=lambda: None,
+)
+ps = observer.get_pool_stats()
+static = (
+    full_size - ps.full_available_size - ps.full_evictable_size,
+    window_size - ps.swa_available_size - ps.swa_evictable_size,
+)
+print("pool stats, only the cache:", ps, "; against the static sizes, used", static)
+assert (ps.full_num_used, ps.swa_num_used, ps.get_max_pool_usage()) == (0, 0, 0.0)
+running = alloc.alloc(700)
+assert running is not None
+ps = observer.get_pool_stats()
+print("pool stats, 700 tokens running:", ps)
+assert (ps.full_num_used, ps.swa_num_used) == (700, 700)
+assert ps.full_token_usage == 700 / (700 + 300 + ps.full_available_size)
+assert ps.swa_token_usage == 700 / (700 + 300 + ps.swa_available_size)
+assert ps.get_max_pool_usage() == max(ps.full_token_usage, ps.swa_token_usage) > 0
+alloc.free(running)
 
 evicted, returned = eviction.give_back(tree, alloc, tokens=None)
 print("give back:", evicted, "tokens,", returned, "pages;", found)
