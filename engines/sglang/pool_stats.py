@@ -11,9 +11,11 @@ really have: its stock plus what its limit and the budget still allow. Against t
 static size, the used count then includes memory other instances hold and the part
 of the budget over this instance's limit (an idle instance under a limit of a quarter
 of the budget read 75 % used), and the two pools of a sliding-window pair, whose free
-counts share one room, read one above and the other below their sizes, down to a
-negative usage, which SGLang asserts against (`PoolStats.get_max_pool_usage`, on its
-metrics and prefill-delayer paths).
+counts share one room, read 24,577 and 8,193 tokens used while holding only 300 cached
+ones (`tests/sglang_real/swa_hybrid.py`); and as the room goes to the pool short of
+pages, a pool's free count can pass its static size less what it holds, a usage below
+zero, which SGLang asserts against (`PoolStats.get_max_pool_usage`, on its metrics and
+prefill-delayer paths).
 
 The hook lets SGLang compute its statistics, then sets each elastic pool's used
 tokens to what kvcached sees SGLang hold (`held_by_engine`: pages handed out and not
