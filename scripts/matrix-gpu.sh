@@ -10,6 +10,10 @@
 #   bash scripts/matrix-gpu.sh [ROW ...] [--keep FILE]   # default: every row
 # The kvcached engine also runs the batch once more with held KV blocks swapped midway
 # through the decode (the tokens must change): two engine starts per row.
+# KV_DTYPE=fp8 (or fp8_e5m2) runs the rows with vLLM's kv_cache_dtype, both sides, into
+# $OUT/vllm-gpu-$KV_DTYPE.json (not the column's file). Until such a run is equal the
+# adapter refuses that dtype on CUDA: the run that shows it adds "cuda" to
+# engines/vllm/refusals.py's KV_DTYPES_SHOWN_ON in the tree it carries (docs/gpu-testing.md).
 # Budget: 2 engine starts per row of ~20-40 s each (enforce_eager). Rows that would start past
 # DEADLINE seconds (default 420) are recorded as not run, so the command stays < 8 min;
 # run those rows in a second command (bash scripts/matrix-gpu.sh mla ...) if need be.
@@ -43,6 +47,11 @@ while [ $# -gt 0 ]; do
     esac
 done
 cd /tmp
+name=vllm-gpu
+if [ -n "${KV_DTYPE:-}" ]; then  # vLLM's kv_cache_dtype for both runs, in a file of its own
+    args+=(--kv-cache-dtype "$KV_DTYPE")
+    name=vllm-gpu-$KV_DTYPE
+fi
 python3 "$repo/tests/matrix/harness.py" --gpu --deadline "${DEADLINE:-420}" \
-    --out "$out/vllm-gpu.json" "${args[@]}" \
+    --out "$out/$name.json" "${args[@]}" \
     2>&1 | tee "$out/matrix-gpu.log"

@@ -166,6 +166,25 @@ def test_greedy_tokens_equal_with_tensor_parallel_2(model: str, tmp_path: Path) 
     assert ledger_rows(tmp_path) == []
 
 
+#: one block of one layer of the tiny model's float32 KV, 128 tokens (vLLM-CPU's block)
+FLOAT32_BLOCK_BYTES = 64 << 10
+
+
+@pytest.mark.parametrize(("kv_dtype", "itemsize"), [("fp8", 1), ("fp8_e5m2", 1)])
+def test_greedy_tokens_equal_with_a_kv_cache_dtype_of_its_own(
+    model: str, tmp_path: Path, kv_dtype: str, itemsize: int
+) -> None:
+    # vLLM alone and kvcached both store the KV in `kv_dtype` (the model is float32): the
+    # tokens are equal, and the corrupted run after the clean ones changes them
+    args = ("--kv-cache-dtype", kv_dtype, "--repeat", "2", "--prompt-len", "300")
+    clean = baseline(model, tmp_path, *args)
+    result = run(model, tmp_path, *args, "--corrupt")
+    assert isinstance(result, dict)
+    assert result["kv_block_bytes"] == FLOAT32_BLOCK_BYTES * itemsize // 4  # stored narrower
+    assert result["runs"] == clean
+    assert_corruption_proves_failure(corruption_verdict(result, clean))
+
+
 def test_pipeline_parallel_is_refused_with_the_option_named() -> None:
     from types import SimpleNamespace
 
@@ -176,12 +195,21 @@ def test_pipeline_parallel_is_refused_with_the_option_named() -> None:
         kv_transfer_config=None,
         model_config=SimpleNamespace(enable_sleep_mode=False),
         cache_config=SimpleNamespace(cache_dtype="auto"),
+        device_config=SimpleNamespace(device_type="cpu"),
     )
     with pytest.raises(Refused, match="pipeline_parallel_size=2 is not supported"):
         check(config, [{}])
     config.parallel_config.pipeline_parallel_size = 1
+    # a KV dtype whose scales live inside the block: refused, naming the served ones
+    config.cache_config.cache_dtype = "fp8_ds_mla"
+    with pytest.raises(Refused, match=r"kv_cache_dtype='fp8_ds_mla' is not supported.*'fp8_e5m2'"):
+        check(config, [{}])
+    # fp8 is served where it was shown equal (vLLM-CPU, below), refused elsewhere till then
     config.cache_config.cache_dtype = "fp8"
-    with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):
+    with pytest.raises(Refused, match="no KV cache"):  # past the dtype: the next check
+        check(config, [{}])
+    config.device_config.device_type = "cuda"
+    with pytest.raises(Refused, match=r"kv_cache_dtype='fp8' is not yet shown .* on cuda"):
         check(config, [{}])
 
 

@@ -427,6 +427,8 @@ CONTACTS: tuple[Contact, ...] = (
             "vllm.config:ParallelConfig.pipeline_parallel_size",
             "vllm.config:VllmConfig.kv_transfer_config",
             "vllm.config:CacheConfig.cache_dtype",
+            "vllm.config:VllmConfig.device_config",
+            "vllm.config:DeviceConfig.device_type",
         ),
         _BOTH,
     ),

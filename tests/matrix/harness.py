@@ -327,8 +327,10 @@ def run_row(
     gpu: bool = False,
     engine: str = "vllm",
     timeout: float = 900,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """One row's cell; `timeout` (seconds) bounds the row's runs together."""
+    """One row's cell; `timeout` (seconds) bounds the row's runs together;
+    `kv_cache_dtype`: vLLM's, for both runs (the engine alone and with kvcached)."""
     from kvcached.testing.random_arch import ARCHITECTURES, make_arch_model
 
     arch = ARCHITECTURES[name]
@@ -345,6 +347,8 @@ def run_row(
         detail = f"the model cannot be built here: {type(exc).__name__}: {exc}"[:400]
         return {**row, "outcome": "not_run", "detail": detail}
     batch = engine_batch(engine, name, gpu=gpu)
+    if kv_cache_dtype != "auto":
+        batch = (*batch, "--kv-cache-dtype", kv_cache_dtype)
     options: dict[str, Any] = {"batch": batch, "engine": engine, "path": standins(name, gpu=gpu)}
     deadline = time.monotonic() + timeout
     baseline = run_engine(
@@ -480,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds: rows that would start past it are recorded as not run",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's kv_cache_dtype for every run (e.g. fp8); write it to its own --out",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         default=None,
@@ -490,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [row for row in args.rows if row not in ARCHITECTURES]
     if unknown:
         parser.error(f"unknown rows {unknown}; accepted: {', '.join(ARCHITECTURES)}")
+    if args.engine == "sglang" and args.kv_cache_dtype != "auto":
+        parser.error("--kv-cache-dtype is vLLM's: the SGLang adapter serves the model's dtype")
     if args.engine == "sglang" and not args.gpu:
         parser.error("--engine sglang needs --gpu: SGLang runs on the H200 only here")
     wanted = args.rows or list(ARCHITECTURES)
@@ -499,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "command": command_line(args),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "rows": [],
     }
     kept = kept_rows(args.keep, table["engine"])
@@ -525,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 timeout = 900.0
                 if args.deadline is not None:  # a hung run must not take the rows with it
                     timeout = max(60.0, args.deadline + DEADLINE_GRACE_S - elapsed)
-                row = run_row(name, Path(tmp), gpu=args.gpu, engine=args.engine, timeout=timeout)
+                row = run_row(name, Path(tmp), gpu=args.gpu, engine=args.engine,
+                              timeout=timeout, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
                 slowest = max(slowest, time.monotonic() - started - elapsed)
             print(json.dumps(row), flush=True)
             table["rows"].append(row)

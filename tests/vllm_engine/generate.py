@@ -6,7 +6,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING come from the environment.
 
     python generate.py MODEL [--prompts N] [--prompt-len L] [--max-tokens M]
         [--no-prefix-caching] [--repeat R] [--corrupt] [--tp N] [--kv-bytes B]
-        [--dtype D]
+        [--dtype D] [--kv-cache-dtype D]
 
 `--repeat` runs the same prompts again in the same engine (prefix-cache hits).
 
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--additional-config", default=None, help="vLLM's, as JSON")
     ap.add_argument("--attention-backend", default=None, help="vLLM's, e.g. TRITON_ATTN")
     ap.add_argument("--poison-fresh-pages", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's, e.g. fp8")
     a = ap.parse_args()
     poisoned = _poison_fresh_pages() if a.poison_fresh_pages else [0]
 
@@ -174,6 +175,8 @@ def main() -> None:
         options["additional_config"] = json.loads(a.additional_config)
     if a.attention_backend:
         options["attention_backend"] = a.attention_backend
+    if a.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = a.kv_cache_dtype
     if "vision_config" in json.loads((Path(a.model) / "config.json").read_text()):
         # a multimodal checkpoint (random_arch's composite H200 rows) runs its text
         # model only: vLLM builds no vision tower and reads none of its weights
@@ -192,6 +195,12 @@ def main() -> None:
         **options,
     )
     startup = time.perf_counter() - started
+    kv_block_bytes = None  # what one block of one layer takes in kvcached's reservation
+    if os.environ.get("ENABLE_KVCACHED") == "1" and a.tp == 1:
+        from kvcached.engines.vllm import instance
+
+        found = instance.current()
+        kv_block_bytes = None if found is None else found.backing.group.block_bytes
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     prompts = _prompts(a.prompts, a.prompt_len, seed=0)
     runs, generating = [], 0.0
@@ -223,6 +232,7 @@ def main() -> None:
                 **corruption,
                 "preemptions": preemptions[0],
                 "poisoned_pages": poisoned[0],
+                "kv_block_bytes": kv_block_bytes,
                 "startup_s": round(startup, 2),
                 "tokens_per_s": round(generated / generating, 1),
             }
