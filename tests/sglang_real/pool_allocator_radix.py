@@ -12,10 +12,8 @@ import sys
 from array import array
 
 import one_rank  # noqa: F401  (SGLang's parallel state for one process, first)
+import pool_stats
 import torch
-from sglang.srt.managers.scheduler_components.pool_stats_observer import (
-    SchedulerPoolStatsObserver,
-)
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -77,21 +75,7 @@ tokens = array("q", range(1000, 1000 + 64 * page_size))
 tree.insert(InsertParams(key=RadixKey(tokens), value=slots))
 # SGLang's pool statistics: the pool's used tokens of what it can hold now (the cached
 # ones are evictable, not used), then a request's 32 pages
-observer = SchedulerPoolStatsObserver(
-    tree_cache=tree,
-    token_to_kv_pool_allocator=alloc,
-    req_to_token_pool=None,
-    session_controller=None,
-    hisparse_coordinator=None,
-    is_hybrid_swa=False,
-    is_hybrid_ssm=False,
-    enable_hisparse=False,
-    full_tokens_per_layer=None,
-    swa_tokens_per_layer=None,
-    max_total_num_tokens=size,
-    get_last_batch=lambda: None,
-    get_running_batch=lambda: None,
-)
+observer = pool_stats.observer(tree, alloc, max_total=size)
 stats = observer.get_pool_stats()
 assert (stats.full_num_used, stats.full_token_usage) == (0, 0.0), stats
 running = alloc.alloc(32 * page_size)

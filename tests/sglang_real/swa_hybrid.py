@@ -20,11 +20,9 @@ from array import array
 from types import SimpleNamespace
 
 import one_rank  # noqa: F401  (SGLang's parallel state for one process, first)
+import pool_stats
 import torch
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
-from sglang.srt.managers.scheduler_components.pool_stats_observer import (
-    SchedulerPoolStatsObserver,
-)
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -172,21 +170,7 @@ alloc.free(lost)
 
 # SGLang's pool statistics (its decode log, token-usage metrics and prefill delayer)
 # count each pool's used tokens of what it can hold now, not of its static size
-observer = SchedulerPoolStatsObserver(
-    tree_cache=tree,
-    token_to_kv_pool_allocator=alloc,
-    req_to_token_pool=None,
-    session_controller=None,
-    hisparse_coordinator=None,
-    is_hybrid_swa=True,
-    is_hybrid_ssm=False,
-    enable_hisparse=False,
-    full_tokens_per_layer=full_size,
-    swa_tokens_per_layer=window_size,
-    max_total_num_tokens=full_size,
-    get_last_batch=lambda: None,
-    get_running_batch=lambda: None,
-)
+observer = pool_stats.observer(tree, alloc, max_total=full_size, swa_sizes=(full_size, window_size))
 ps = observer.get_pool_stats()
 static = (
     full_size - ps.full_available_size - ps.full_evictable_size,
