@@ -30,8 +30,9 @@ SERVED_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_DTYPES_SHOWN_ON = ("cpu",)
 
 
-def _kv_dtype_refusal(cache_dtype: str, device_type: str) -> str | None:
-    """Why `cache_dtype` is refused on `device_type` (vLLM's DeviceConfig), or None."""
+def _kv_dtype_refusal(vllm_config: Any) -> str | None:
+    """Why the configuration's kv_cache_dtype is refused on its device type, or None."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype == "auto":
         return None
     if cache_dtype not in SERVED_KV_DTYPES:
@@ -39,6 +40,7 @@ def _kv_dtype_refusal(cache_dtype: str, device_type: str) -> str | None:
             f"kv_cache_dtype={cache_dtype!r} is not supported yet; the adapter serves "
             f"{', '.join(repr(d) for d in SERVED_KV_DTYPES)}"
         )
+    device_type = str(vllm_config.device_config.device_type)
     if device_type not in KV_DTYPES_SHOWN_ON:
         return (
             f"kv_cache_dtype={cache_dtype!r} is not yet shown to give vLLM's own tokens "
@@ -68,8 +70,7 @@ def check(vllm_config: Any, kv_cache_specs: list[dict[str, Any]]) -> list[Any]:
         if refused is not None:
             raise Unsupported(refused)
     # enable_sleep_mode is served: vLLM's sleep moves the weights, sleep.py the KV
-    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    refused = _kv_dtype_refusal(cache_dtype, str(vllm_config.device_config.device_type))
+    refused = _kv_dtype_refusal(vllm_config)
     if refused is not None:
         raise Unsupported(refused)
     specs = list(kv_cache_specs[0].values())
