@@ -314,6 +314,33 @@ def test_sglang_without_the_gpu_is_an_error_naming_it(capsys: pytest.CaptureFixt
     assert "--engine sglang needs --gpu" in capsys.readouterr().err
 
 
+def test_a_kv_cache_dtype_reaches_both_runs_of_a_vllm_row_and_is_vllms_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcached.testing import random_arch
+
+    batches: list[tuple[str, ...]] = []
+
+    def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
+        batches.append(kwargs["batch"])
+        corrupted = {"corrupted_run": [[1, 3]], "corrupted_blocks": 4, "corrupted_at_step": 2,
+                     "corrupted_after_tokens": 1}  # fmt: skip
+        return {"ok": True, "runs": [[[1, 2]]], "tokens_per_s": 10.0, "seconds": 1.0,
+                **(corrupted if kwargs["kvcached"] else {})}  # fmt: skip
+
+    monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
+    monkeypatch.setattr(harness, "run_engine", fake_run)
+    out = tmp_path / "fp8.json"
+    assert harness.main(["--kv-cache-dtype", "fp8", "--out", str(out), "standard-gqa"]) == 0
+    assert len(batches) == 2  # vLLM alone, then kvcached (with its corrupted run)
+    assert batches[0][-2:] == ("--kv-cache-dtype", "fp8")  # vLLM alone
+    assert batches[1][-3:] == ("--kv-cache-dtype", "fp8", "--corrupt")  # and kvcached
+    assert json.loads(out.read_text())["kv_cache_dtype"] == "fp8"
+    with pytest.raises(SystemExit):
+        harness.main(["--engine", "sglang", "--gpu", "--kv-cache-dtype", "fp8", "--out", str(out)])
+    assert "--kv-cache-dtype is vLLM's" in capsys.readouterr().err
+
+
 def test_the_sglang_column_renders_after_the_vllm_columns_with_its_ratio(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
