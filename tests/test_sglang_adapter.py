@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -968,65 +969,70 @@ def _hybrid(budget: str) -> instance.SglangInstance:
     )
 
 
-def test_a_hybrid_instance_splits_its_room_between_the_pools_it_counts_free(
+@pytest.fixture
+def exact_hybrid(
     ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[instance.SglangInstance]:
+    """`_hybrid` under 96 MiB, nothing mapped ahead of demand: exact figures."""
+    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")
+    found = _hybrid("96MiB")
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+def test_a_hybrid_instance_splits_its_room_between_the_pools_it_counts_free(
+    exact_hybrid: instance.SglangInstance,
 ) -> None:
     from kvcached.engines.sglang.capacity import HybridCapacity
 
-    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")  # nothing mapped ahead: exact figures
-    found = _hybrid("96MiB")
-    try:
-        capacity, window = found.capacity, found.window
-        assert isinstance(capacity, HybridCapacity) and window is not None
-        cache = found.cache
-        assert cache is not None and [a.used_blocks for a in cache.allocators] == [1, 1]
-        assert cache.account.reserved == 24 << 20  # each pool's padding page id
-        full_free, window_free = capacity.free_pages(0, 0)
-        # the rest of each padding page id (8191 slots) plus 48 of the 72 MiB left, in
-        # slots that cost 1.5 KiB in each pool
-        assert (full_free, window_free) == (8191 + 16384, 8191 + 16384)
-        # what was counted is there, in both pools (each pool alone counted 57,343)
-        assert capacity.take(full_free) is not None
-        assert window.capacity.take(window_free) is not None
-        assert capacity.free_pages(0, 0) == (0, 0)
-        # under a limit, the pools share the limit's room, not each the whole of it
-        cache.set_limit(cache.account.reserved)
-        capacity.recount()
-        window.capacity.recount()
-        assert capacity.free_pages(3, 5) == (3, 5)  # only the stocks
-        # over the limit: both pools' bytes count (the policy gives back from both)
-        cache.set_limit(60 << 20)
-        assert capacity.over_limit() == cache.reserved_bytes - (60 << 20) > 0
-        assert capacity.bytes_per_token == 2 * 6 * 256
-    finally:
-        found.close()
+    found = exact_hybrid
+    capacity, window = found.capacity, found.window
+    assert isinstance(capacity, HybridCapacity) and window is not None
+    cache = found.cache
+    assert cache is not None and [a.used_blocks for a in cache.allocators] == [1, 1]
+    assert cache.account.reserved == 24 << 20  # each pool's padding page id
+    full_free, window_free = capacity.free_pages(0, 0)
+    # the rest of each padding page id (8191 slots) plus 48 of the 72 MiB left, in
+    # slots that cost 1.5 KiB in each pool
+    assert (full_free, window_free) == (8191 + 16384, 8191 + 16384)
+    # what was counted is there, in both pools (each pool alone counted 57,343)
+    assert capacity.take(full_free) is not None
+    assert window.capacity.take(window_free) is not None
+    assert capacity.free_pages(0, 0) == (0, 0)
+    # under a limit, the pools share the limit's room, not each the whole of it
+    cache.set_limit(cache.account.reserved)
+    capacity.recount()
+    window.capacity.recount()
+    assert capacity.free_pages(3, 5) == (3, 5)  # only the stocks
+    # over the limit: both pools' bytes count (the policy gives back from both)
+    cache.set_limit(60 << 20)
+    assert capacity.over_limit() == cache.reserved_bytes - (60 << 20) > 0
+    assert capacity.bytes_per_token == 2 * 6 * 256
 
 
 def test_a_hybrid_instances_room_goes_to_the_pool_short_of_pages(
-    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+    exact_hybrid: instance.SglangInstance,
 ) -> None:
     # decoding past the window: the window pool's stock holds 20,000 slots SGLang gave
     # back (free_swa), which cost no room; the 48 MiB left go to the full pool alone
-    monkeypatch.setenv("KVCACHED_POOL_LOW", "0")  # nothing mapped ahead: exact figures
-    found = _hybrid("96MiB")
-    try:
-        capacity, window = found.capacity, found.window
-        assert window is not None
-        stock = window.capacity.take(20000)  # the window's stock (its own page ids)
-        assert stock is not None
-        capacity.recount()
-        window.capacity.recount()
-        room = capacity.room()
-        assert room == 48 << 20  # 96 MiB less the padding page ids and the window's 24
-        full_free, window_free = capacity.free_pages(0, len(stock))
-        # the full pool: the rest of its padding page id, and the room less its margin
-        # in 1.5 KiB slots (an even split of the growth counted 8191 + 8192)
-        assert full_free == 8191 + (room - (24 << 20)) // 1536 == 8191 + 16384
-        assert window_free == len(stock) + window.capacity.allocator.mapped_free_blocks()
-        assert window_free >= full_free  # the window needs none of the room
-        assert capacity.take(full_free) is not None  # and the full pool has it
-    finally:
-        found.close()
+    found = exact_hybrid
+    capacity, window = found.capacity, found.window
+    assert window is not None
+    stock = window.capacity.take(20000)  # the window's stock (its own page ids)
+    assert stock is not None
+    capacity.recount()
+    window.capacity.recount()
+    room = capacity.room()
+    assert room == 48 << 20  # 96 MiB less the padding page ids and the window's 24
+    full_free, window_free = capacity.free_pages(0, len(stock))
+    # the full pool: the rest of its padding page id, and the room less its margin
+    # in 1.5 KiB slots (an even split of the growth counted 8191 + 8192)
+    assert full_free == 8191 + (room - (24 << 20)) // 1536 == 8191 + 16384
+    assert window_free == len(stock) + window.capacity.allocator.mapped_free_blocks()
+    assert window_free >= full_free  # the window needs none of the room
+    assert capacity.take(full_free) is not None  # and the full pool has it
 
 
 def test_a_hybrid_instance_is_one_ledger_row_and_closes_both_pools(ledger_env: Path) -> None:
