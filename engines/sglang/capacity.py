@@ -27,6 +27,7 @@ has the same methods and keeps every rank's answers identical.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -149,13 +150,14 @@ def joint_level(room: int, costs: list[tuple[int, int]], free: Sequence[int]) ->
     per_page = [page_id_bytes * (scale // pages) for page_id_bytes, pages in costs]
     pools = sorted(zip(free, per_page, strict=True))
     rate = 0  # what a page more costs, over the pools short of the level
-    for i, (_, cost) in enumerate(pools):
+    for (_, cost), (next_free, _) in itertools.pairwise(pools):
         rate += cost
-        if i + 1 == len(pools) or (pools[i + 1][0] - level) * rate > spare:
+        step = (next_free - level) * rate  # raising the level to the next pool's pages
+        if step > spare:
             return level + spare // rate
-        spare -= (pools[i + 1][0] - level) * rate
-        level = pools[i + 1][0]
-    raise AssertionError("not reached: the last pool returns")
+        spare -= step
+        level = next_free
+    return level + spare // (rate + pools[-1][1])  # every pool grows from here
 
 
 class HybridCapacity(ElasticCapacity):
