@@ -30,6 +30,9 @@ vLLM stages it through host memory). The kvcached pair shares one ledger and its
     python benchmarks/vllm_pd.py --model /tmp/m-q06 --device gpu \\
         --out benchmarks/results/h200-.../vllm_pd.jsonl      (scripts/vllm-gpu-run.sh pd)
     python benchmarks/vllm_pd.py --out /tmp/pd.jsonl          (vLLM-CPU, a tiny model)
+    python benchmarks/vllm_pd.py ... --producer-offload-gib 4   (the producers on the
+        MultiConnector: NIXL and an OffloadingConnector tier; PD_OFFLOAD_GIB=4 in
+        scripts/vllm-gpu-run.sh pd; CUDA only)
     python benchmarks/vllm_pd.py --summarize benchmarks/results/h200-2026-12-03/vllm_pd.jsonl
 """
 
@@ -186,6 +189,9 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.1, help="each plain engine's share")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs (faster start)")
+    ap.add_argument("--producer-offload-gib", type=float, default=None,
+                    help="both producers on the MultiConnector: NIXL and an "
+                    "OffloadingConnector tier of this many GiB (CUDA only)")  # fmt: skip
     a = ap.parse_args()
     if a.summarize:
         lines = [json.loads(line) for line in Path(a.summarize).read_text().splitlines() if line]
@@ -203,6 +209,12 @@ def main() -> None:
              str(a.max_model_len), "--max-num-seqs", str(max(8, a.batch))]  # fmt: skip
     if a.eager:
         extra.append("--eager")
+    producing: tuple[str, ...] = ()
+    if a.producer_offload_gib is not None:
+        # NIXL's handshake compares vLLM's hybrid KV cache manager on both sides, and a
+        # MultiConnector turns it off unless every child supports it
+        extra.append("--no-hybrid-kv-cache-manager")
+        producing = ("--also-offload", str(a.producer_offload_gib))
     more: dict[str, str] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # the V1 runner's kv_caches
     if a.device == "cpu":
         more["KVCACHED_BACKEND"] = "host"
@@ -210,9 +222,10 @@ def main() -> None:
     with open(a.out, "a") as out:
         try:
             pairs["plain"] = Pair(model, environment(work / "ledger-plain", False, **more),
-                                  work / "plain", *extra)  # fmt: skip
+                                  work / "plain", *extra, producer_extra=producing)  # fmt: skip
             elastic = environment(work / "ledger", True, KVCACHED_BUDGET=a.budget, **more)
-            pairs["kvcached"] = Pair(model, elastic, work / "kvcached", *extra, "--prove")
+            pairs["kvcached"] = Pair(model, elastic, work / "kvcached", *extra, "--prove",
+                                     producer_extra=producing)  # fmt: skip
             checks = {setup: check(pair) for setup, pair in pairs.items()}
             for setup, seen in checks.items():
                 line = _checked(setup, seen)

@@ -49,7 +49,9 @@
 #              torch.compile pass 4 min; PD_EAGER=0 for CUDA graphs). Needs NIXL: an earlier command of the
 #              same machine carried .whl-nixl (nixl + nixl-cu13 for Python 3.12, ~57 MiB)
 #              and ran install-into-site.sh, or this one carries it. PD_S (500) bounds
-#              the run; one cut short gets $OUT/vllm_pd_summary.jsonl of its finished rounds
+#              the run; one cut short gets $OUT/vllm_pd_summary.jsonl of its finished rounds.
+#              PD_OFFLOAD_GIB=G puts both producers on the MultiConnector (NIXL and an
+#              OffloadingConnector tier of G GiB): the trial that would serve it on 0.26
 #   bash scripts/vllm-gpu-run.sh overhead multi ; results in $OUT/*.jsonl
 # On a machine with two GPUs (not run yet: no such machine was lent), tensor parallel:
 #   TP=2 RUNNERS=v1 bash scripts/vllm-gpu-run.sh overhead
@@ -113,7 +115,8 @@ for step in "$@"; do
             --model /tmp/m-q06 --rounds "${PD_ROUNDS:-16}" --batch "${PD_BATCH:-16}" \
             --prompt-len "${PD_PROMPT_LEN:-1024}" --max-tokens "${PD_MAX_TOKENS:-64}" \
             --max-model-len 2048 --budget 16GiB --gpu-mem 0.12 --out "$out/vllm_pd.jsonl" \
-            $([ "${PD_EAGER:-1}" = 1 ] && echo --eager) || status=1
+            $([ "${PD_EAGER:-1}" = 1 ] && echo --eager) \
+            ${PD_OFFLOAD_GIB:+--producer-offload-gib "$PD_OFFLOAD_GIB"} || status=1
         # a run its time limit cut short has no summary line of its own: summarize the
         # rounds it finished (the 2026-12-03 and 2026-12-04 runs both were cut)
         tail -n 1 "$out/vllm_pd.jsonl" | grep -q '"run": "summary"' ||

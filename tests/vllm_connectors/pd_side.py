@@ -9,6 +9,16 @@ computing it. Commands arrive as JSON lines on stdin; each answer is one line
 ``ANSWER {json}`` on stdout.
 
     python pd_side.py MODEL --role kv_producer|kv_consumer --side-port P [--device gpu]
+        [--also-save DIR | --also-offload GIB] [--no-hybrid-kv-cache-manager]
+
+With ``--also-save DIR`` the engine runs vLLM's MultiConnector instead: the same
+NixlConnector and an ExampleConnector that saves every prompt's KV under DIR (a PD
+producer that also keeps its KV in a second tier, as serving stacks pair NIXL with an
+offload connector); ``--also-offload GIB`` makes the second child vLLM's
+OffloadingConnector with a CPU tier of GIB GiB (CUDA only: the H200 trial). vLLM then
+turns its hybrid KV cache manager off (the ExampleConnector does not support it), and
+NIXL's handshake requires both sides to agree on it: ``--no-hybrid-kv-cache-manager``
+turns it off on the other side too.
 
     {"generate": [{"ids": [...], "kv_transfer_params": {...} | null}], "max_tokens": N}
         -> {"outputs": [{"tokens": [...], "kv_transfer_params": {...} | null,
@@ -23,8 +33,8 @@ computing it. Commands arrive as JSON lines on stdin; each answer is one line
         -> {"swapped": [ids], "held": [the ids kvcached held at the swap]}
     {"reset": true}   drops the prefix cache -> {"reset": bool}
 
-Under kvcached on a vLLM where the NixlConnector is not served yet, ``--prove`` serves
-it in this process only (the trial that would prove it).
+Under kvcached on a vLLM where the NixlConnector or the MultiConnector is not served
+yet, ``--prove`` serves them in this process only (the trial that would prove them).
 """
 
 from __future__ import annotations
@@ -95,22 +105,46 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.1)
     ap.add_argument("--prove", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (always on a CPU)")
+    second = ap.add_mutually_exclusive_group()
+    second.add_argument("--also-save", default=None, help="MultiConnector: NIXL and a disk tier")
+    second.add_argument("--also-offload", type=float, default=None, help="... and a CPU tier")
+    ap.add_argument("--no-hybrid-kv-cache-manager", action="store_true")
     a = ap.parse_args()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(a.side_port)
     if a.prove and os.environ.get("ENABLE_KVCACHED") == "1":
         from kvcached.engines.vllm import connectors
         from kvcached.engines.vllm.version import vllm_minor
 
-        trial = connectors.Served(
-            "NixlConnector", (vllm_minor(),), "on trial", "pd_side.py",
-            refuses=connectors.nixl_buffer_refusal,
+        trials = (
+            connectors.Served("NixlConnector", (vllm_minor(),), "on trial", "pd_side.py",
+                              refuses=connectors.nixl_buffer_refusal),
+            connectors.Served("MultiConnector", (vllm_minor(),), "on trial", "pd_side.py",
+                              refuses=connectors.multi_children_refusal),
         )  # fmt: skip
-        connectors.SERVED = (*connectors.SERVED, trial)
+        connectors.SERVED = (*connectors.SERVED, *trials)
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     gpu = a.device == "gpu"
+    # both platforms: NIXL moves host memory (connectors.py says why that is served)
+    nixl = {"kv_connector": "NixlConnector", "kv_role": a.role, "kv_buffer_device": "cpu"}
+    tier: dict[str, Any] | None = None
+    if a.also_save is not None:
+        tier = {"kv_connector": "ExampleConnector", "kv_role": a.role,
+                "kv_connector_extra_config": {"shared_storage_path": a.also_save}}  # fmt: skip
+    elif a.also_offload is not None:
+        cpu_bytes = int(a.also_offload * 2**30)
+        tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}  # fmt: skip
+    if tier is None:
+        transfer = KVTransferConfig(**nixl)
+    else:
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role=a.role,
+            kv_connector_extra_config={"connectors": [nixl, tier]},
+        )
     llm = LLM(
         a.model,
         enforce_eager=a.eager or not gpu,
@@ -119,11 +153,9 @@ def main() -> None:
         dtype="bfloat16" if gpu else "float32",
         seed=0,
         gpu_memory_utilization=a.gpu_mem,
-        # both platforms: NIXL moves host memory (connectors.py says why that is served)
         disable_log_stats=False,  # per-request first-token and last-token times
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="NixlConnector", kv_role=a.role, kv_buffer_device="cpu"
-        ),
+        kv_transfer_config=transfer,
+        disable_hybrid_kv_cache_manager=a.no_hybrid_kv_cache_manager or None,
     )
     print("READY", flush=True)
     for line in sys.stdin:
