@@ -103,6 +103,29 @@ def check_ready(backend: Backend) -> Path:
     return check_usable(ledger_key(backend.name, backend.device))
 
 
+def _charge_rows(rows: Sequence[tuple[LedgerAccount, int]], nbytes: int) -> bool:
+    """Charge each (row, copies) `nbytes` per copy: every row or, refunding what was
+    charged, none (also when a damaged ledger raises)."""
+    charged: list[tuple[LedgerAccount, int]] = []
+    try:
+        for row, copies in rows:
+            if not row.try_charge(nbytes * copies):
+                break
+            charged.append((row, copies))
+        else:
+            return True
+    except BaseException:
+        _refund_rows(charged, nbytes)
+        raise
+    _refund_rows(charged, nbytes)
+    return False
+
+
+def _refund_rows(rows: Sequence[tuple[LedgerAccount, int]], nbytes: int) -> None:
+    for row, copies in rows:
+        row.refund(nbytes * copies)
+
+
 class _GroupAccount:
     """One group's view of the instance's ledger rows: charges go straight through,
     `set_used` reports the sum over the groups, and the row's limit is seen less what
@@ -113,8 +136,9 @@ class _GroupAccount:
     whose decisions several processes carry out (replay.py), one copy each, charges
     each device's row for the copies that device holds: all rows or none.
     `before_refund`: called before bytes go back to the rows (to wait until those
-    processes have unmapped them). `fixed`: bytes the instance holds outside its groups
-    (`KVCache.charge_fixed`), charged to the first row, which its limit leaves out."""
+    processes have unmapped them). `fixed`: bytes one copy of the instance holds outside
+    its groups (`KVCache.charge_fixed`), charged to every row for its copies, which each
+    row's limit leaves out."""
 
     def __init__(
         self,
@@ -133,32 +157,16 @@ class _GroupAccount:
         self._held = [0] * len(used) if held is None else held
 
     def try_charge(self, nbytes: int) -> bool:
-        charged: list[tuple[LedgerAccount, int]] = []
-        try:
-            for row, copies in self._rows:
-                if not row.try_charge(nbytes * copies):
-                    break
-                charged.append((row, copies))
-            else:
-                with self._lock:
-                    self._held[self._index] += nbytes
-                return True
-        except BaseException:
-            self._undo(charged, nbytes)  # a damaged ledger raises: all rows or none
-            raise
-        self._undo(charged, nbytes)
-        return False
-
-    @staticmethod
-    def _undo(charged: list[tuple[LedgerAccount, int]], nbytes: int) -> None:
-        for done, copies in charged:
-            done.refund(nbytes * copies)
+        if not _charge_rows(self._rows, nbytes):
+            return False
+        with self._lock:
+            self._held[self._index] += nbytes
+        return True
 
     def refund(self, nbytes: int) -> None:
         if self._before_refund is not None:
             self._before_refund()
-        for row, copies in self._rows:
-            row.refund(nbytes * copies)
+        _refund_rows(self._rows, nbytes)
         with self._lock:
             self._held[self._index] -= nbytes
 
@@ -176,12 +184,11 @@ class _GroupAccount:
     def limit(self) -> int | None:
         # kvctl may change a row's limit between any two reads: read each one once
         smallest: int | None = None
-        for i, (row, copies) in enumerate(self._rows):
+        fixed = self._fixed[0]  # what the instance holds outside its groups is not theirs
+        for row, copies in self._rows:
             limit = row.limit
             if limit is not None:
-                if i == 0:  # what the instance holds outside its groups is not theirs
-                    limit = max(0, limit - self._fixed[0])
-                share = limit // copies
+                share = max(0, limit - fixed * copies) // copies
                 smallest = share if smallest is None else min(smallest, share)
         if smallest is None:
             return None
@@ -309,6 +316,7 @@ class KVCache(Closeable):
             )
             self.account = held.enter_context(self.ledger.register(name, engine, limit))
             rows = [(self.account, charged[0][1])]  # (row, copies it is charged for)
+            self._rows = rows  # charge_fixed's too
             for key, copies_there in charged[1:]:
                 ledger = held.enter_context(open_device_ledger(self.backend, budget, key=key))
                 row = held.enter_context(ledger.register(name, engine, limit))
@@ -436,18 +444,20 @@ class KVCache(Closeable):
         The row's limit then bounds both: the allocators' share of it leaves them out,
         so their free counts never promise what the ledger would refuse. Memory the
         engine holds already comes before pages mapped ahead of demand: a charge that
-        fails is tried once more after the pool threads' empty extents are given back."""
+        fails is tried once more after the pool threads' empty extents are given back.
+        With copies (tensor-parallel ranks) `nbytes` is one copy's: each device's row is
+        charged for the copies it holds, all rows or none."""
         self._check_own_process()
         if nbytes < 0:
             raise InvalidArgument(f"charge_fixed takes a byte count >= 0, got {nbytes}")
-        if not self.account.try_charge(nbytes):
+        if not _charge_rows(self._rows, nbytes):
             for allocator in self.allocators:
                 allocator.pause_growth()
             try:
                 for allocator in self.allocators:
                     allocator.trim(keep=0)
                     allocator.wait_released()
-                if not self.account.try_charge(nbytes):
+                if not _charge_rows(self._rows, nbytes):
                     return False
             finally:
                 for allocator in self.allocators:
@@ -470,7 +480,7 @@ class KVCache(Closeable):
             return  # a forked child: the pages and the ledger row are the parent's
         try:
             if self._fixed[0]:
-                self.account.refund(self._fixed[0])
+                _refund_rows(self._rows, self._fixed[0])
                 self._fixed[0] = 0
         finally:
             self._held.close()  # newest first (Note [what a cache holds])

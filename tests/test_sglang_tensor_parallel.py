@@ -142,3 +142,26 @@ def test_a_lowered_limit_is_judged_by_rank_0_and_carried_out_on_every_rank(
     assert leader["mappings_after"] == follower["mappings_after"]
     assert len(follower["mappings_after"]) == 4  # the padding page's page id, 4 segments
     assert leader["rows_after"] == {"host-0": PAGE_ID, "host-1": PAGE_ID}
+
+
+def test_a_state_pool_is_charged_on_every_device_or_the_start_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # a hybrid Mamba model's state pool (engines/sglang/mamba.py): SGLang holds one per
+    # rank, outside the KV pool; rank 0 charges each device for its own copy
+    mib = 1024 * 1024
+    leader, follower = _run_ranks(tmp_path, "state")
+    assert leader["fixed"] == 24 * mib
+    assert leader["rows"] == {"host-0": 24 * mib + PAGE_ID, "host-1": 24 * mib + PAGE_ID}
+    # under a 48 MiB limit the KV pool's share on every device is what the state leaves
+    assert leader["kv_limit"] == 48 * mib - 24 * mib
+    # closed: both devices refunded (the rows are gone)
+    assert leader["totals_closed"] == {"host-0": 0, "host-1": 0}
+    # 40 MiB fits rank 0's device, not rank 1's (a neighbour holds 100 of its 128 MiB):
+    # refused on both ranks, naming the state and the fullest device, and neither
+    # device keeps any of the refused start's charge
+    assert "Mamba state pool holds 41943040 bytes" in leader["refused"]
+    assert "on its fullest device" in leader["refused"]
+    assert follower["refused"].startswith("kvcached: tensor-parallel rank 0 failed: SGLang's Mamba")
+    assert follower["refused"].count("Unset ENABLE_KVCACHED") == 1  # wrapped once
+    assert leader["totals_refused"] == {"host-0": 0, "host-1": 100 * mib}

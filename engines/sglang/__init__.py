@@ -28,8 +28,8 @@ SGLang version and registers the hooks listed in `shims.py` with SGLang's own
   maps them (its decisions ride on SGLang's request broadcast).
 
 Targets SGLang 0.5.16, any tensor parallel size, MHA and MLA models with the plain
-token-to-KV pools (page size 1 or more), and hybrid Mamba and hybrid sliding-window
-models with one rank.
+token-to-KV pools (page size 1 or more), hybrid Mamba models with any tensor parallel
+size, and hybrid sliding-window models with one rank.
 """
 
 from __future__ import annotations

@@ -105,21 +105,34 @@ def single(
     backing = geometry.backing(backend)
     cache = KVCache(layout=backing, name=name, engine="sglang", backend=backend)
     allocator = start_engine_cache(cache, "SGLang's padding page")
-    if fixed_bytes and not cache.charge_fixed(fixed_bytes):
-        row = cache.account
-        limit = row.limit
-        headroom = row.headroom() if limit is None else min(row.headroom(), limit - row.reserved)
+    try:
+        charge_state(cache, fixed_bytes)
+    except BaseException:
         cache.close()
-        raise Refused(
-            f"SGLang's Mamba state pool holds {fixed_bytes} bytes, but the instance's "
-            f"limit or the device budget has room for {headroom} more; raise "
-            "KVCACHED_INSTANCE_LIMIT or the budget (kvctl budget), or lower "
-            "--max-mamba-cache-size / --max-running-requests"
-        )
+        raise
     capacity = ElasticCapacity(
         allocator, last_page=geometry.last_page, page_size=geometry.page_size
     )
     return SglangInstance(geometry, backing, cache=cache, allocator=allocator, capacity=capacity)
+
+
+def charge_state(cache: KVCache, fixed_bytes: int) -> None:
+    """Charge a Mamba state pool SGLang allocated itself (`mamba.py`; one rank's copy,
+    every rank's device charged for its own), or refuse the start."""
+    if not fixed_bytes or cache.charge_fixed(fixed_bytes):
+        return
+    rows = [cache.account] + [row for _, row in cache.other_rows]
+    headroom = min(
+        row.headroom() if row.limit is None else min(row.headroom(), row.limit - row.reserved)
+        for row in rows
+    )
+    raise Refused(
+        f"SGLang's Mamba state pool holds {fixed_bytes} bytes, but the instance's "
+        f"limit or the device budget has room for {headroom} more"
+        + (" on its fullest device" if len(rows) > 1 else "")
+        + "; raise KVCACHED_INSTANCE_LIMIT or the budget (kvctl budget), or lower "
+        "--max-mamba-cache-size / --max-running-requests"
+    )
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,11 @@ things about it:
 `MambaRadixCache` evicts in its own LRU order (it has no eviction strategy to swap
 and no `evictable_leaves`), and its `evictable_size()` raises; `eviction.py` uses its
 `full_evictable_size()` and `evict` for the memory kvcached gives back.
-Tensor parallelism is refused for these models: rank 0 would charge one state pool
-per rank, which `tensor_parallel.py` does not do yet.
+With tensor parallelism every rank holds a state pool of its own (its shard of the
+heads, the same size on every rank, as every rank sizes it from the same budget and
+options): rank 0 charges one copy to every rank's device, all rows or none, for the
+instance's life (`tensor_parallel.start_rank`), and each device's row leaves the copy
+out of the KV pool's share of its limit.
 """
 
 from __future__ import annotations

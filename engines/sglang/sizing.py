@@ -30,8 +30,8 @@ log = logging.getLogger("sglang.kvcached")
 
 def check_model(configurator: Any) -> None:
     """Refuse the pool families the adapter does not serve: a hybrid sliding-window
-    pool pair (`swa.py`) and a Mamba state pool beside the KV pool (`mamba.py`) are
-    served with one rank only."""
+    pool pair (`swa.py`) is served with one rank only (a Mamba state pool beside the KV
+    pool, `mamba.py`, with any number)."""
     if getattr(configurator, "is_hybrid_swa", False) and (
         tensor_parallel.sglang_channel() is not None
     ):
@@ -39,13 +39,6 @@ def check_model(configurator: Any) -> None:
             "hybrid sliding-window models with tensor parallelism are not supported yet "
             "(they are with --tp-size 1; or keep every layer in one pool with "
             "--disable-hybrid-swa-memory where all layers' K and V have one shape)"
-        )
-    if getattr(configurator, "mambaish_config", None) is not None and (
-        tensor_parallel.sglang_channel() is not None
-    ):
-        raise Refused(
-            "hybrid Mamba / linear-attention models with tensor parallelism are not "
-            "supported yet (they are with --tp-size 1)"
         )
     if getattr(configurator, "is_draft_worker", False):
         raise Refused("speculative decoding's draft worker is not supported")

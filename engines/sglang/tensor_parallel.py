@@ -148,6 +148,12 @@ class _Failed:
 
     message: str
 
+    @classmethod
+    def of(cls, exc: Exception) -> _Failed:
+        """What rank 0 tells the others of `exc` (a refusal's own words, which the
+        others' `Refused` wraps once more)."""
+        return cls(exc.message if isinstance(exc, Refused) else str(exc))
+
 
 class SharedCapacity:
     """`ElasticCapacity`'s methods for a tensor-parallel rank (see the module doc).
@@ -244,7 +250,7 @@ class SharedCapacity:
             try:
                 result = make()
             except Exception as exc:
-                self.channel.broadcast(_Failed(str(exc)))
+                self.channel.broadcast(_Failed.of(exc))
                 raise
             self.channel.broadcast(result)
             return result
@@ -347,12 +353,25 @@ class SharedCapacity:
 
 
 def start_rank(
-    geometry: PoolGeometry, backend: Any, channel: Channel, *, name: str, device: str | int
+    geometry: PoolGeometry,
+    backend: Any,
+    channel: Channel,
+    *,
+    name: str,
+    device: str | int,
+    fixed_bytes: int = 0,
 ) -> SglangInstance:
-    """This rank's `SglangInstance` (every rank calls it at the same point)."""
+    """This rank's `SglangInstance` (every rank calls it at the same point).
+    `fixed_bytes`: one rank's Mamba state pool (`mamba.py`; every rank holds a copy of
+    the same size), charged by rank 0 to every rank's device for the life of the
+    instance, or the start is refused on every rank."""
     from kvcached.cache import KVCache, start_engine_cache
 
-    devices = channel.gather(str(device))  # every rank's device, for rank 0's ledger rows
+    # every rank's device, for rank 0's ledger rows, and its state pool's bytes: the
+    # ranks' copies are equal shards, and should one differ the largest is charged
+    ranks = channel.gather((str(device), int(fixed_bytes)))
+    devices = [here for here, _ in ranks]
+    fixed_bytes = max(fixed for _, fixed in ranks)
     backing = geometry.backing(backend)
     try:
         replica = Replica(backend, [backing.reservation])
@@ -370,8 +389,12 @@ def start_rank(
                     before_refund=recording.wait_applied,
                 )
                 allocator = start_engine_cache(cache, "SGLang's padding page")
+                instance.charge_state(cache, fixed_bytes)
             except Exception as exc:
-                channel.broadcast(_Failed(str(exc)))
+                channel.broadcast(_Failed.of(exc))
+                if cache is not None:  # no rank will apply its ops: release without waiting
+                    recording.abandon()
+                    cache.close()
                 raise
             local = ElasticCapacity(
                 allocator, last_page=geometry.last_page, page_size=geometry.page_size
@@ -419,9 +442,15 @@ def start_shared(
     point (SGLang builds its pools in lockstep). `device` names this rank's device for
     the ledgers (default the backend's)."""
     here = backend.device if device is None else device
+    fixed = instance.slot.planned_fixed_bytes  # a Mamba state pool's, sized by sizing.py
     return instance.replace(
         lambda: start_rank(
-            geometry, backend, channel, name=instance.instance_name(model), device=here
+            geometry,
+            backend,
+            channel,
+            name=instance.instance_name(model),
+            device=here,
+            fixed_bytes=fixed,
         )
     )
 

@@ -15,7 +15,10 @@ Scenarios: ``shared`` (the adapter's tensor-parallel path), ``alone`` (each rank
 its own allocator, with a different history: what the shared path prevents) and
 ``upkeep`` (the adapter's elastic allocator methods over a stock, and a limit lowered
 on rank 0: rank 0 decides, every rank gives the same stock back, memory is released
-on both devices).
+on both devices), ``state`` (a hybrid Mamba model's state pool, one per rank: rank 0
+charges a copy to each device for the instance's life, each device's limit leaves it
+out, and a state that one device has no room for refuses the start on both ranks,
+charging neither).
 """
 
 from __future__ import annotations
@@ -142,9 +145,74 @@ def upkeep(rank: int, found: Any, channel: Any) -> dict[str, Any]:
     return seen
 
 
+MIB = 1024 * 1024
+
+
+def ledger_totals() -> dict[str, int]:
+    """Every row's reserved bytes in each device's ledger, summed."""
+    from kvcached.ledger import Ledger
+
+    out = {}
+    for key in ("host-0", "host-1"):
+        with Ledger.open(key) as ledger:
+            out[key] = sum(row.reserved for row in ledger.rows())
+    return out
+
+
+def state(rank: int, channel: Any) -> dict[str, Any]:
+    from kvcached.cache import KVCache
+    from kvcached.layout import LayerSpec
+
+    backend = get_backend("host")
+    seen: dict[str, Any] = {}
+    instance.slot.planned_fixed_bytes = 24 * MIB  # sizing.py's plan, the same on each rank
+    found = tensor_parallel.start_shared(
+        GEOMETRY, backend, channel, model="tp-mamba", device=str(rank)
+    )
+    if rank == 0:
+        name = found.cache.account.name
+        seen["fixed"] = found.cache.fixed_bytes
+        seen["rows"] = rows_of(name)  # the state and the padding page's page id, each device
+        found.cache.set_limit(48 * MIB)  # kvctl limit: the KV's share is what the state leaves
+        seen["kv_limit"] = found.allocator.account.limit
+    dist.barrier()
+    instance.close()
+    dist.barrier()
+    if rank == 0:
+        seen["totals_closed"] = ledger_totals()
+    dist.barrier()
+
+    # a neighbour holds 100 of rank 1's 128 MiB: a 40 MiB state fits rank 0's device only
+    neighbour = None
+    if rank == 1:
+        neighbour = KVCache(
+            [LayerSpec(num_kv_heads=1, head_dim=64, dtype="float32")],
+            block_size=16, name="neighbour", engine="test", backend=backend, copies={"1": 1},
+        )  # fmt: skip
+        assert neighbour.charge_fixed(100 * MIB)
+    dist.barrier()
+    instance.slot.planned_fixed_bytes = 40 * MIB
+    try:
+        tensor_parallel.start_shared(
+            GEOMETRY, backend, channel, model="tp-mamba-big", device=str(rank)
+        )
+        seen["refused"] = None
+    except Exception as exc:
+        seen["refused"] = str(exc)
+    dist.barrier()
+    if rank == 0:
+        seen["totals_refused"] = ledger_totals()
+    dist.barrier()
+    if neighbour is not None:
+        neighbour.close()
+    return seen
+
+
 def run(rank: int, scenario: str) -> dict[str, Any]:
     backend = get_backend("host")
     channel = tensor_parallel.ProcessGroupChannel(dist.group.WORLD, leader=0, is_leader=rank == 0)
+    if scenario == "state":
+        return state(rank, channel)
     if scenario == "upkeep":
         found = tensor_parallel.start_shared(
             GEOMETRY, backend, channel, model="tp", device=str(rank)
