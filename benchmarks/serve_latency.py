@@ -1,4 +1,4 @@
-"""Latency under load: one served model, vLLM alone against vLLM with kvcached (issue 22).
+"""Latency under load: one served model, the engine alone against it with kvcached (issue 22).
 
 What `vllm bench serve` measures, with a client of our own so that both servers see the
 same seeded trace: Poisson arrivals at each rate of `--rates` for `--seconds`, each a
@@ -10,7 +10,12 @@ vanilla's throughput at overload (upstream's SGLang figures fall to a third ther
 
 Both API servers run at once on the device, alive for the whole run, one at a time under
 load while the other idles: vanilla (`ENABLE_KVCACHED=0`, `--kv-cache-memory-bytes
-KV`) and kvcached (`ENABLE_KVCACHED=1`, `KVCACHED_BUDGET=KV`), the same KV memory. Each
+KV`) and kvcached (`ENABLE_KVCACHED=1`, `KVCACHED_BUDGET=KV`), the same KV memory.
+`--engine sglang` runs SGLang's server (`python -m sglang.launch_server`) instead:
+vanilla holds KV's worth of tokens (`--max-total-tokens`, from the model's layers, KV
+heads and head size in bf16) within `--mem-fraction` of the device, its radix cache off
+as vLLM's prefix cache is (random prompts); the kvcached side is sized by the budget
+(`engines/sglang/sizing.py`). Each
 rate runs on both, alternating which goes first (vanilla first at the first rate), so a
 drift of the device falls on both alike. Before the load, `--check` prompts are sent one
 at a time to both: their greedy tokens must be equal (one request alone: no batch
@@ -28,6 +33,8 @@ whose p99 TTFT held the SLO.
     # H200 (scripts/vllm-gpu-run.sh latency)
     python3 benchmarks/serve_latency.py --model /tmp/m-q06 --kv 16GiB \\
         --rates 8,16,32,64,128 --seconds 20 --out serve_latency.jsonl
+    # the same with SGLang (scripts/sglang-gpu-run.sh latency)
+    python3 benchmarks/serve_latency.py --engine sglang --model /tmp/m-q06 --kv 16GiB ...
     # CPU smoke run (vLLM-CPU, a tiny random model, two light rates)
     python benchmarks/serve_latency.py --cpu-smoke
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -74,6 +82,9 @@ class Servers(Stack):
             self.wait_side(side, self.a.start_timeout)
 
     def start_side(self, side: str) -> None:
+        if self.a.engine == "sglang":
+            self._spawn(*sglang_server(self.a, side, self.ports, self.root))
+            return
         from kvcached.config import parse_size
 
         a = self.a
@@ -116,6 +127,40 @@ class Servers(Stack):
         from serve_multi_model import tail
 
         return "\n".join(f"--- {log.name}\n{tail(log, 20)}" for log in self.logs)
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """One token's K and V over every layer in bf16, from the model's config.json."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * 2
+
+
+def sglang_server(
+    a: argparse.Namespace, side: str, ports: dict[str, int], root: Path
+) -> tuple[list[str], Path, dict[str, str]]:
+    """SGLang's API server for `side`: its command, log and environment."""
+    from kvcached.config import parse_size
+
+    kv = parse_size(a.kv)
+    env = _engine_env(a)
+    argv = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
+        "--served-model-name", "m", "--host", "127.0.0.1",
+        "--port", str(ports.setdefault(side, _free_port())), *a.engine_args,
+    ]  # fmt: skip
+    if side == "vanilla":
+        env["ENABLE_KVCACHED"] = "0"
+        tokens = kv // kv_bytes_per_token(a.model)
+        argv += ["--max-total-tokens", str(tokens), "--mem-fraction-static", str(a.mem_fraction)]
+    else:
+        env.update(ENABLE_KVCACHED="1", KVCACHED_BUDGET=str(kv))
+        env.setdefault("KVCACHED_LEDGER_DIR", str(root / "ledger"))
+        Path(env["KVCACHED_LEDGER_DIR"]).mkdir(parents=True, exist_ok=True)
+    return argv, root / f"{side}.log", env
 
 
 def trace(a: argparse.Namespace, rate: float, vocab: int) -> list[tuple[float, list[int], int]]:
@@ -234,6 +279,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="the model's folder (default: a tiny one with --cpu-smoke)")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument("--mem-fraction", type=float, default=0.4,
+                    help="SGLang: vanilla's --mem-fraction-static (holds its KV pool)")  # fmt: skip
     ap.add_argument("--kv", default="16GiB", help="KV memory of each side")
     ap.add_argument("--rates", default="8,16,32,64,128", help="arrivals per second to sweep")
     ap.add_argument("--seconds", type=float, default=20.0, help="arrival window of each rate")
@@ -254,6 +302,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="vLLM-CPU, a tiny random model, short light settings")  # fmt: skip
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    a.rate_list = [float(x) for x in a.rates.split(",") if x]
+    if a.engine == "sglang":
+        if a.cpu_smoke:
+            ap.error("--cpu-smoke runs vLLM-CPU; SGLang's server needs the GPU")
+        # CUDA graphs on (SGLang's default); random prompts: no radix cache
+        args = a.engine_args or [
+            "--dtype", "bfloat16", "--random-seed", "0", "--context-length", "4096",
+            "--max-running-requests", "256",
+        ]  # fmt: skip
+        a.engine_args = [*args, "--disable-radix-cache"]
+        return a
     if a.cpu_smoke:
         from kvcached.apps.serve_demo import VLLM_CPU_ARGS
 
@@ -261,13 +320,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.engine_args = a.engine_args or [x for x in VLLM_CPU_ARGS if x not in skip]
         a.kv = "16MiB" if a.kv == "16GiB" else a.kv
         a.rates = "1,3" if a.rates == "8,16,32,64,128" else a.rates
+        a.rate_list = [float(x) for x in a.rates.split(",") if x]
         a.seconds, a.prompt_len, a.output_len, a.gpu_mem = 6.0, (48, 96), (8, 16), 0.2
         a.slo_ttft, a.slo_tpot = 5.0, 1.0
     elif a.engine_args is None:
         # CUDA graphs on (vLLM's default): the GPU set without --enforce-eager
         a.engine_args = [x for x in GPU_ENGINE_ARGS if x != "--enforce-eager"]
     a.engine_args = [*a.engine_args, "--no-enable-prefix-caching"]  # random prompts
-    a.rate_list = [float(x) for x in a.rates.split(",") if x]
     return a
 
 
@@ -283,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = Servers(a, root)
     gpu = GpuMemory()
     header: dict[str, Any] = {
-        "bench": "serve_latency", "model": a.model, "kv": a.kv, "rates": a.rate_list,
+        "bench": "serve_latency", "engine": a.engine, "model": a.model, "kv": a.kv,
+        "rates": a.rate_list,
         "seconds": a.seconds, "prompt_len": a.prompt_len, "output_len": a.output_len,
         "slo_ttft_s": a.slo_ttft, "slo_tpot_s": a.slo_tpot, "engine_args": a.engine_args,
         "gpu_mib_before": gpu.now(),

@@ -11,6 +11,11 @@
 #   multi      benchmarks/sglang_multi_instance.py: two SGLang instances, one ledger
 #   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
 #              vLLM recipe's site; kvcached is installed there too)
+#   latency    benchmarks/serve_latency.py --engine sglang: SGLang's API server alone and
+#              with kvcached, the same KV (LATENCY_KV, 16GiB), Poisson arrivals at
+#              LATENCY_RATES (8,16,32,64,128) for LATENCY_SECONDS (20) each, up to and
+#              past saturation (issue 22); the client needs httpx: carry .whl-serve
+#              (docs/gpu-testing.md says which wheels)
 #   real       the `gpu` tests of tests/test_sglang_real.py: the hooks on SGLang's real
 #              pools, allocators, radix caches and idle check (hybrid Mamba included),
 #              on CUDA (scripts/sglang-real-cpu.sh runs the same programs on CPU first)
@@ -70,11 +75,17 @@ for step in $steps; do
     colocated)
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,vllm --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
+    latency)
+        timeout "${LATENCY_S:-560}" python3 "$repo/benchmarks/serve_latency.py" \
+            --engine sglang --model "$model" --kv "${LATENCY_KV:-16GiB}" \
+            --rates "${LATENCY_RATES:-8,16,32,64,128}" --seconds "${LATENCY_SECONDS:-20}" \
+            --out "$dir/serve_latency.jsonl" > "$dir/run.log" 2>&1 ;;
     real)
         python3 -P -m pytest -q -p no:cacheprovider -rfEs -m gpu \
             "$repo/tests/test_sglang_real.py" > "$dir/run.log" 2>&1 ;;
     *)
-        echo "STEP $step: unknown (overhead, overhead8b, multi, colocated, real)"; status=2
+        echo "STEP $step: unknown (overhead, overhead8b, multi, colocated, latency, real)"
+        status=2
         continue ;;
     esac
     rc=$?
