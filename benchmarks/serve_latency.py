@@ -82,24 +82,19 @@ class Servers(Stack):
             self.wait_side(side, self.a.start_timeout)
 
     def start_side(self, side: str) -> None:
-        if self.a.engine == "sglang":
-            self._spawn(*sglang_server(self.a, side, self.ports, self.root))
-            return
         from kvcached.config import parse_size
 
         a = self.a
         kv = parse_size(a.kv)
         env = _engine_env(a)
-        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", a.model, "--served-model-name", "m", "--host", "127.0.0.1",
-            "--port", str(self.ports.setdefault(side, _free_port())), *a.engine_args,
-            "--gpu-memory-utilization", str(a.gpu_mem),
-        ]  # fmt: skip
+        port = self.ports.setdefault(side, _free_port())
+        if a.engine == "sglang":
+            argv = sglang_argv(a, side, port, kv)
+        else:
+            argv = vllm_argv(a, side, port, kv)
+            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         if side == "vanilla":
             env["ENABLE_KVCACHED"] = "0"
-            argv += ["--kv-cache-memory-bytes", str(kv)]
         else:
             env.update(ENABLE_KVCACHED="1", KVCACHED_BUDGET=str(kv))
             env.setdefault("KVCACHED_LEDGER_DIR", str(self.root / "ledger"))
@@ -139,28 +134,29 @@ def kv_bytes_per_token(model: str) -> int:
     return int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * 2
 
 
-def sglang_server(
-    a: argparse.Namespace, side: str, ports: dict[str, int], root: Path
-) -> tuple[list[str], Path, dict[str, str]]:
-    """SGLang's API server for `side`: its command, log and environment."""
-    from kvcached.config import parse_size
-
-    kv = parse_size(a.kv)
-    env = _engine_env(a)
+def vllm_argv(a: argparse.Namespace, side: str, port: int, kv: int) -> list[str]:
+    """vLLM's API server for `side`; vanilla's KV is a fixed pool of `kv` bytes."""
     argv = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
-        "--served-model-name", "m", "--host", "127.0.0.1",
-        "--port", str(ports.setdefault(side, _free_port())), *a.engine_args,
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", a.model, "--served-model-name", "m", "--host", "127.0.0.1",
+        "--port", str(port), *a.engine_args, "--gpu-memory-utilization", str(a.gpu_mem),
     ]  # fmt: skip
     if side == "vanilla":
-        env["ENABLE_KVCACHED"] = "0"
+        argv += ["--kv-cache-memory-bytes", str(kv)]
+    return argv
+
+
+def sglang_argv(a: argparse.Namespace, side: str, port: int, kv: int) -> list[str]:
+    """SGLang's API server for `side`; vanilla holds `kv` bytes' worth of tokens."""
+    argv = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
+        "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+        *a.engine_args,
+    ]  # fmt: skip
+    if side == "vanilla":
         tokens = kv // kv_bytes_per_token(a.model)
         argv += ["--max-total-tokens", str(tokens), "--mem-fraction-static", str(a.mem_fraction)]
-    else:
-        env.update(ENABLE_KVCACHED="1", KVCACHED_BUDGET=str(kv))
-        env.setdefault("KVCACHED_LEDGER_DIR", str(root / "ledger"))
-        Path(env["KVCACHED_LEDGER_DIR"]).mkdir(parents=True, exist_ok=True)
-    return argv, root / f"{side}.log", env
+    return argv
 
 
 def trace(a: argparse.Namespace, rate: float, vocab: int) -> list[tuple[float, list[int], int]]:
@@ -302,7 +298,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="vLLM-CPU, a tiny random model, short light settings")  # fmt: skip
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    a.rate_list = [float(x) for x in a.rates.split(",") if x]
     if a.engine == "sglang":
         if a.cpu_smoke:
             ap.error("--cpu-smoke runs vLLM-CPU; SGLang's server needs the GPU")
@@ -312,21 +307,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             "--max-running-requests", "256",
         ]  # fmt: skip
         a.engine_args = [*args, "--disable-radix-cache"]
-        return a
-    if a.cpu_smoke:
-        from kvcached.apps.serve_demo import VLLM_CPU_ARGS
+    else:
+        if a.cpu_smoke:
+            from kvcached.apps.serve_demo import VLLM_CPU_ARGS
 
-        skip = {"--gpu-memory-utilization", "0.2"}
-        a.engine_args = a.engine_args or [x for x in VLLM_CPU_ARGS if x not in skip]
-        a.kv = "16MiB" if a.kv == "16GiB" else a.kv
-        a.rates = "1,3" if a.rates == "8,16,32,64,128" else a.rates
-        a.rate_list = [float(x) for x in a.rates.split(",") if x]
-        a.seconds, a.prompt_len, a.output_len, a.gpu_mem = 6.0, (48, 96), (8, 16), 0.2
-        a.slo_ttft, a.slo_tpot = 5.0, 1.0
-    elif a.engine_args is None:
-        # CUDA graphs on (vLLM's default): the GPU set without --enforce-eager
-        a.engine_args = [x for x in GPU_ENGINE_ARGS if x != "--enforce-eager"]
-    a.engine_args = [*a.engine_args, "--no-enable-prefix-caching"]  # random prompts
+            skip = {"--gpu-memory-utilization", "0.2"}
+            a.engine_args = a.engine_args or [x for x in VLLM_CPU_ARGS if x not in skip]
+            a.kv = "16MiB" if a.kv == "16GiB" else a.kv
+            a.rates = "1,3" if a.rates == "8,16,32,64,128" else a.rates
+            a.seconds, a.prompt_len, a.output_len, a.gpu_mem = 6.0, (48, 96), (8, 16), 0.2
+            a.slo_ttft, a.slo_tpot = 5.0, 1.0
+        elif a.engine_args is None:
+            # CUDA graphs on (vLLM's default): the GPU set without --enforce-eager
+            a.engine_args = [x for x in GPU_ENGINE_ARGS if x != "--enforce-eager"]
+        a.engine_args = [*a.engine_args, "--no-enable-prefix-caching"]  # random prompts
+    a.rate_list = [float(x) for x in a.rates.split(",") if x]
     return a
 
 

@@ -92,14 +92,15 @@ def settled(capacity: Any) -> bool:
     )
 
 
-def rows_of(name: str) -> dict[str, int]:
-    """This instance's reserved bytes in each device's ledger (read by rank 0)."""
+def rows_of(name: str | None) -> dict[str, int]:
+    """This instance's reserved bytes in each device's ledger, every row's with `name`
+    None (read by rank 0)."""
     from kvcached.ledger import Ledger
 
     out = {}
     for key in ("host-0", "host-1"):
         with Ledger.open(key) as ledger:
-            out[key] = sum(row.reserved for row in ledger.rows() if row.name == name)
+            out[key] = sum(r.reserved for r in ledger.rows() if name in (None, r.name))
     return out
 
 
@@ -148,17 +149,6 @@ def upkeep(rank: int, found: Any, channel: Any) -> dict[str, Any]:
 MIB = 1024 * 1024
 
 
-def ledger_totals() -> dict[str, int]:
-    """Every row's reserved bytes in each device's ledger, summed."""
-    from kvcached.ledger import Ledger
-
-    out = {}
-    for key in ("host-0", "host-1"):
-        with Ledger.open(key) as ledger:
-            out[key] = sum(row.reserved for row in ledger.rows())
-    return out
-
-
 def state(rank: int, channel: Any) -> dict[str, Any]:
     from kvcached.cache import KVCache
     from kvcached.layout import LayerSpec
@@ -179,7 +169,7 @@ def state(rank: int, channel: Any) -> dict[str, Any]:
     instance.close()
     dist.barrier()
     if rank == 0:
-        seen["totals_closed"] = ledger_totals()
+        seen["totals_closed"] = rows_of(None)
     dist.barrier()
 
     # a neighbour holds 100 of rank 1's 128 MiB: a 40 MiB state fits rank 0's device only
@@ -201,7 +191,7 @@ def state(rank: int, channel: Any) -> dict[str, Any]:
         seen["refused"] = str(exc)
     dist.barrier()
     if rank == 0:
-        seen["totals_refused"] = ledger_totals()
+        seen["totals_refused"] = rows_of(None)
     dist.barrier()
     if neighbour is not None:
         neighbour.close()
