@@ -22,6 +22,7 @@ from kvcached import contacts
 from kvcached.backends.host import HostBackend
 from kvcached.contacts import Contact
 from kvcached.engines.sglang import instance, refusals, shims
+from kvcached.engines.sglang.allocator import ElasticAllocator
 from kvcached.engines.sglang.capacity import ElasticCapacity
 from kvcached.engines.sglang.geometry import PADDING_PAGE, PoolGeometry
 
@@ -168,7 +169,7 @@ def test_the_class_swap_and_the_methods_it_overrides_are_in_the_table() -> None:
     swaps = {c.target.rsplit(".", 1)[1] for c in shims.CONTACTS if c.how == "swaps"}
     # `__class__` of each served allocator is swapped
     assert {*_SERVED, "SWATokenToKVPoolAllocator"} <= swaps
-    own = {"attach", "stock_pages", "give_back_stock"}  # the adapter's own methods
+    own = {"attach", "stock_pages", "tokens_held", "give_back_stock"}  # the adapter's own
     for mixin, used_in in ((ElasticAllocator, "allocator.py"), (ElasticSWAAllocator, "swa.py")):
         overridden = {
             c.target.rsplit(".", 1)[1]
@@ -449,6 +450,9 @@ class _StockOnly:
 
     def stock_pages(self) -> int:
         return self.stock
+
+    # the adapter's own count over this stand-in's stock
+    tokens_held = ElasticAllocator.tokens_held
 
 
 @pytest.mark.parametrize("hybrid_mamba", [False, True])

@@ -71,6 +71,11 @@ class ElasticAllocator(TopsUpFirst):
     def stock_pages(self) -> int:
         return int(len(self.free_pages) + len(self.release_pages))
 
+    def tokens_held(self) -> int:
+        """Tokens SGLang's requests and radix cache hold in this pool (what kvcached
+        handed out, less the stock and the pinned pages)."""
+        return int(self.kv_capacity.held_by_engine(self.stock_pages()))
+
     def _top_up(self, pages: int, *, spare: bool = True, wait: float = RACE_RETRY_S) -> bool:
         """At least `pages` pages in the stock; `spare`: and `TOP_UP_EXTRA` more when
         kvcached has them at once. `wait`: how long a take the count promised may retry
@@ -192,8 +197,7 @@ def checks_elastic_capacity(original: Any, checker: Any, ps: Any, *args: Any, **
         return swa.checks_full_capacity(original, checker, ps, *args, **kwargs)
     if not is_elastic(allocator):
         return original(checker, ps, *args, **kwargs)
-    capacity = allocator.kv_capacity
-    elastic_total = ps.full_available_size + capacity.held_by_engine(allocator.stock_pages())
+    elastic_total = ps.full_available_size + allocator.tokens_held()
     static_total = checker.max_total_num_tokens
     # a hybrid Mamba model's check takes its total from the allocator's size instead
     hybrid = bool(getattr(checker, "is_hybrid_ssm", False))

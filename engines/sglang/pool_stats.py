@@ -57,7 +57,7 @@ def usage_of_what_it_can_hold(original: Any, observer: Any, *args: Any, **kwargs
 def _used(allocator: Any, available: int, evictable: int) -> tuple[int, float]:
     """Tokens an elastic pool's requests hold, and their share of what it can hold now
     (held by SGLang's requests and radix cache, and free)."""
-    held = int(allocator.kv_capacity.held_by_engine(allocator.stock_pages()))
+    held = allocator.tokens_held()
     used = max(0, held - evictable)
     total = used + evictable + available
     return used, (used / total if total > 0 else 0.0)

@@ -260,7 +260,7 @@ def _against_elastic_total(
     standing at the elastic one during it: SGLang's free count (`available`) plus what
     kvcached sees SGLang hold in it (`pool`, an elastic sub-allocator)."""
     static = getattr(checker, total)
-    setattr(checker, total, available + pool.kv_capacity.held_by_engine(pool.stock_pages()))
+    setattr(checker, total, available + pool.tokens_held())
     try:
         return original(checker, ps, *args, **kwargs)
     finally:
