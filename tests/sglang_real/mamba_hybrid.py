@@ -123,7 +123,7 @@ tree = MambaRadixCache(
 slots = alloc.alloc(300)
 assert slots is not None
 pool.full_kv_pool.k_buffer[0][slots] = 1.5  # writes land in mapped memory and read back
-assert float(pool.full_kv_pool.k_buffer[0][slots].float().mean()) == 1.5
+assert bool((pool.full_kv_pool.k_buffer[0][slots] == 1.5).all())
 state = reqs.mamba_allocator.alloc(1)
 assert state is not None
 tree.insert(

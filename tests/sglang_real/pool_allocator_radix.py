@@ -62,7 +62,7 @@ alloc = elastic_allocator(build, None)
 assert alloc.available_size() > 0 and alloc.stock_pages() == 0
 slots = alloc.alloc(64 * page_size)
 pool.k_buffer[3][slots] = 1.5  # writes land in mapped memory and read back
-assert float(pool.k_buffer[3][slots].float().mean()) == 1.5
+assert bool((pool.k_buffer[3][slots] == 1.5).all())
 assert alloc.alloc(size + 2 * page_size) is None  # more than the pool: None, no raise
 cap = alloc.kv_capacity
 assert cap.held_by_engine(alloc.stock_pages()) == 64 * page_size

@@ -99,8 +99,8 @@ swa_slots = alloc.full_to_swa_index_mapping[slots]
 assert bool((swa_slots > 0).all()), "a full slot without its window slot"
 pool.full_kv_pool.k_buffer[1][slots] = 1.5  # writes land in mapped memory and read back
 pool.swa_kv_pool.k_buffer[0][swa_slots] = 2.5
-assert float(pool.full_kv_pool.k_buffer[1][slots].float().mean()) == 1.5
-assert float(pool.swa_kv_pool.k_buffer[0][swa_slots].float().mean()) == 2.5
+assert bool((pool.full_kv_pool.k_buffer[1][slots] == 1.5).all())
+assert bool((pool.swa_kv_pool.k_buffer[0][swa_slots] == 2.5).all())
 more = alloc.alloc(max(alloc.full_available_size(), alloc.swa_available_size()) + 3 * 8192)
 assert more is None, "an allocation past the budget succeeded"
 held_before = [a.used_blocks for a in cache.allocators]
@@ -227,7 +227,9 @@ slots = alloc.alloc(1000)
 assert slots is not None
 wide.full_kv_pool.v_buffer[1][slots] = 3.5
 wide.swa_kv_pool.k_buffer[3][alloc.full_to_swa_index_mapping[slots]] = 4.5
-assert float(wide.full_kv_pool.v_buffer[1][slots].float().mean()) == 3.5
+# every element, not the mean: CUDA's float32 mean of these 256,000 values came out
+# 3.5000002 (H100, 2026-12-05), with every one of them 3.5
+assert bool((wide.full_kv_pool.v_buffer[1][slots] == 3.5).all())
 alloc.free(slots)
 print("two widths:", rows, "bytes a row;", found)
 instance.close()
