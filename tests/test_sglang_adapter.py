@@ -162,7 +162,7 @@ def test_the_tables_name_everything_the_adapter_imports_and_every_private_name()
 
 
 def test_the_class_swap_and_the_methods_it_overrides_are_in_the_table() -> None:
-    from kvcached.engines.sglang.allocator import _SERVED, ElasticAllocator
+    from kvcached.engines.sglang.allocator import _SERVED
     from kvcached.engines.sglang.elastic_classes import adapter_methods
     from kvcached.engines.sglang.swa import ElasticSWAAllocator
 

@@ -64,8 +64,7 @@ slots = alloc.alloc(64 * page_size)
 pool.k_buffer[3][slots] = 1.5  # writes land in mapped memory and read back
 assert bool((pool.k_buffer[3][slots] == 1.5).all())
 assert alloc.alloc(size + 2 * page_size) is None  # more than the pool: None, no raise
-cap = alloc.kv_capacity
-assert cap.held_by_engine(alloc.stock_pages()) == 64 * page_size
+assert alloc.tokens_held() == 64 * page_size
 tree = RadixCache(
     CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size
