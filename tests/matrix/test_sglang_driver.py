@@ -146,13 +146,25 @@ def test_a_failure_names_the_schedulers_error_not_the_engines_wrapper() -> None:
 
 def test_an_equal_sglang_row_says_what_the_radix_cache_and_the_tokens_showed() -> None:
     runs = [[[5, 6], [7, 7]], [[5, 6], [7, 7]]]
-    base = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300], "distinct_tokens": 3}
+    base = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300], "distinct_tokens": 40}
     cell = harness.judge(base, {**base})
     assert cell["outcome"] == "equal"
     assert "2 runs of 2 prompts equal" in cell["detail"]
-    assert "[0, 2300]" in cell["detail"] and "3 distinct output tokens" in cell["detail"]
+    assert "[0, 2300]" in cell["detail"] and "40 distinct output tokens" in cell["detail"]
     other = harness.judge(base, {**base, "runs": [runs[0], [[5, 6], [7, 8]]]})
     assert other["outcome"] == "different_tokens"
+
+
+def test_a_degenerate_model_is_not_run_whatever_its_tokens() -> None:
+    # SGLang's standalone Llama4ForCausalLM left the experts unloaded on the H200: every
+    # prompt gave one token, "equal" with or without kvcached, proving nothing
+    runs = [[[7, 7], [7, 7]]]
+    base = {"ok": True, "runs": runs, "distinct_tokens": 1}
+    for other in (runs, [[[7, 8], [7, 7]]]):  # equal or not, the run cannot decide
+        cell = harness.judge(base, {**base, "runs": other})
+        assert cell["outcome"] == "not_run" and "1 distinct output tokens" in cell["detail"]
+    enough = {**base, "distinct_tokens": harness.MIN_DISTINCT_TOKENS}
+    assert harness.judge(enough, enough)["outcome"] == "equal"
 
 
 def test_a_hung_run_is_killed_with_its_children_and_reads_as_a_timeout(tmp_path: Path) -> None:
@@ -210,7 +222,7 @@ def test_one_kvcached_run_gives_both_the_equality_and_its_corrupted_counterpart(
     def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
         started.append(tuple(kwargs["batch"]))
         result = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
-                  "distinct_tokens": 3, "tokens_per_s": 100.0, "seconds": 100.0}  # fmt: skip
+                  "distinct_tokens": 40, "tokens_per_s": 100.0, "seconds": 100.0}  # fmt: skip
         if kwargs["kvcached"]:
             result |= {"corrupted_run": [[5, 6], [9, 9]], "corrupted_blocks": 40,
                        "corrupted_at_step": 0, "corrupted_after_tokens": 0}  # fmt: skip
@@ -403,6 +415,42 @@ def test_a_text_only_gemma4_gets_sglang_its_full_attention_widths(
     assert (overrides["head_dim"], overrides["num_key_value_heads"]) == full
     assert (overrides["swa_head_dim"], overrides["swa_num_key_value_heads"]) == sliding
     assert overrides["v_head_dim"] == full[0] and overrides["swa_v_head_dim"] == sliding[0]
+
+
+def test_a_text_only_llama4_is_served_as_sglangs_llama4_class(tmp_path: Path) -> None:
+    from kvcached.testing.random_arch import ARCHITECTURES
+
+    config = ARCHITECTURES["chunked-local-attention"].config(scale="gpu")
+    assert config["architectures"] == ["Llama4ForCausalLM"]  # what vLLM serves
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = sglang_generate.parse([str(tmp_path), *harness.engine_batch(
+        "sglang", "chunked-local-attention", gpu=True)])  # fmt: skip
+    options = sglang_generate.engine_options(args, kvcached=True)
+    assert json.loads(options["json_model_override_args"]) == {
+        "architectures": ["Llama4ForConditionalGeneration"]
+    }
+    assert options["attention_backend"] == "fa3"  # one of the five SGLang accepts for it
+    assert sglang_generate.served_class(config) == "Llama4ForConditionalGeneration"
+    assert sglang_generate.served_class({"architectures": ["Qwen3ForCausalLM"]}) == (
+        "Qwen3ForCausalLM"
+    )
+    assert sglang_generate.served_class({}) is None
+
+
+def test_the_row_names_the_class_sglang_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcached.testing import random_arch
+
+    def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
+        return {"ok": True, "runs": [[[5, 6]]], "distinct_tokens": 40, "tokens_per_s": 1.0,
+                "served_class": "Llama4ForConditionalGeneration", "seconds": 1.0,
+                "corruption_error": "not made here"}  # fmt: skip
+
+    monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
+    monkeypatch.setattr(harness, "run_engine", fake_run)
+    row = harness.run_row("chunked-local-attention", tmp_path, gpu=True, engine="sglang")
+    assert row["class"] == "Llama4ForConditionalGeneration"
 
 
 def test_other_models_get_no_overrides(tmp_path: Path) -> None:

@@ -154,7 +154,25 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """Model overrides SGLang needs for a checkpoint's `config` (none for most)."""
     if config.get("model_type") == "gemma4_text":
         return gemma4_text_overrides(config)
+    if config.get("model_type") == "llama4_text":
+        return {"architectures": [LLAMA4_SERVED_AS]}
     return {}
+
+
+#: the class SGLang 0.5.16 serves Llama 4 with, text-only checkpoints included. Its
+#: standalone Llama4ForCausalLM loads weights with Llama's loader, which has no mapping
+#: for the fused experts (they keep uninitialised memory: one distinct output token on
+#: the H200, 2026-12-04), and only this class is a local-attention, two-pool model
+#: (model_config.py: is_local_attention_model, is_hybrid_swa_model). It takes a text
+#: config as is (`config.text_config if hasattr(...) else config`), and with no vision
+#: weights in the checkpoint it builds no vision tower
+LLAMA4_SERVED_AS = "Llama4ForConditionalGeneration"
+
+
+def served_class(config: dict[str, Any]) -> str | None:
+    """The model class SGLang serves the checkpoint as (overrides included)."""
+    architectures = config_overrides(config).get("architectures") or config.get("architectures")
+    return str(architectures[0]) if architectures else None
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -250,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                 "runs": runs,
                 "cached_prompt_tokens": cached,
                 "distinct_tokens": len({t for run in runs for ids in run for t in ids}),
+                "served_class": served_class(checkpoint_config(a.model)),
                 "max_total_num_tokens": info.get("max_total_num_tokens"),
                 "startup_s": round(startup, 2),
                 "tokens_per_s": round(generated / generating, 1),
