@@ -65,6 +65,7 @@ from serve_multi_model import (  # benchmarks/, on sys.path as this script's fol
     _prompt,
     _quantile,
     _vocab,
+    stop_on_sigterm,
 )
 
 SIDES = ("vanilla", "kvcached")
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvcached.testing.random_model import make_random_model
 
         a.model = str(make_random_model(Path(tempfile.gettempdir()) / "kvcached-latency-m0"))
+    stop_on_sigterm()
     root = Path(tempfile.mkdtemp(prefix="serve-latency-"))
     servers = Servers(a, root)
     gpu = GpuMemory()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ import json, os, runpy, sys
 argv = sys.argv[1:]
 port = argv[argv.index("--port") + 1]
 kvcached = os.environ.get("ENABLE_KVCACHED")
-record = {"argv": argv, "ENABLE_KVCACHED": kvcached,
+record = {"argv": argv, "ENABLE_KVCACHED": kvcached, "pid": os.getpid(),
           "KVCACHED_BUDGET": os.environ.get("KVCACHED_BUDGET") if kvcached == "1" else None}
 side = "kvcached" if kvcached == "1" else "vanilla"
 with open(os.path.join(os.environ["FAKE_SGLANG_RECORD"], side + ".json"), "w") as f:
@@ -41,13 +43,14 @@ runpy.run_path(os.environ["FAKE_ENGINE"], run_name="__main__")
 """
 
 
-def test_an_sglang_run_gives_each_side_its_kv_the_way_its_server_takes_it(tmp_path: Path) -> None:
+def _benchmark(tmp_path: Path, *options: str) -> tuple[list[str], dict[str, str], Path]:
+    """The benchmark's command line against the stand-in, its environment, and the
+    folder where each side's server records how it was started."""
     model = tmp_path / "model"
     model.mkdir()
     config = {"vocab_size": 1000, "num_hidden_layers": 4, "num_attention_heads": 8,
               "num_key_value_heads": 2, "hidden_size": 512}  # fmt: skip
     (model / "config.json").write_text(json.dumps(config))
-    per_token = 4 * 2 * (512 // 8) * 2 * 2  # layers x KV heads x head size x (K, V) x bf16
     package = tmp_path / "stub" / "sglang"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -64,13 +67,20 @@ def test_an_sglang_run_gives_each_side_its_kv_the_way_its_server_takes_it(tmp_pa
         KVCACHED_LEDGER_DIR=str(ledger),
         KVCACHED_BACKEND="host",
     )
-    out = tmp_path / "latency.jsonl"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "serve_latency.py"), "--engine", "sglang",
-        "--model", str(model), "--kv", "16MiB", "--rates", "2,4", "--seconds", "2",
-        "--prompt-len", "16", "--output-len", "4", "--check", "2", "--start-timeout", "60",
-        "--out", str(out),
+        "--model", str(model), "--kv", "16MiB", "--prompt-len", "16", "--output-len", "4",
+        "--check", "2", "--start-timeout", "60", *options,
     ]  # fmt: skip
+    return command, env, records
+
+
+def test_an_sglang_run_gives_each_side_its_kv_the_way_its_server_takes_it(tmp_path: Path) -> None:
+    per_token = 4 * 2 * (512 // 8) * 2 * 2  # layers x KV heads x head size x (K, V) x bf16
+    out = tmp_path / "latency.jsonl"
+    command, env, records = _benchmark(
+        tmp_path, "--rates", "2,4", "--seconds", "2", "--out", str(out)
+    )
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -95,3 +105,36 @@ def test_an_sglang_run_gives_each_side_its_kv_the_way_its_server_takes_it(tmp_pa
     for side in (vanilla, elastic):
         assert "--disable-radix-cache" in side["argv"]
         assert side["argv"][side["argv"].index("--served-model-name") + 1] == "m"
+
+
+def test_a_run_cut_by_sigterm_stops_both_servers(tmp_path: Path) -> None:
+    # `timeout` in the device scripts cuts a run with SIGTERM; the servers lead sessions
+    # of their own, so only the benchmark's own stop reaches them (on the H100 of
+    # 2026-12-05 a cut run's two SGLang servers held 38 GiB through the next run)
+    command, env, records = _benchmark(tmp_path, "--rates", "2", "--seconds", "120")
+    bench = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(records.glob("*.json"))) < 2 and time.monotonic() < deadline:
+            assert bench.poll() is None, bench.stdout.read().decode()[-3000:]  # type: ignore[union-attr]
+            time.sleep(0.5)
+        pids = [json.loads(f.read_text())["pid"] for f in records.glob("*.json")]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=90)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), "a server outlived the cut run"
+    assert bench.returncode == 128 + signal.SIGTERM
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
