@@ -625,6 +625,27 @@ def _serve_latency(files: dict[str, Rows]) -> list[str]:
     return _table([*header, "output tok/s", "goodput req/s", "served"], body)
 
 
+def _sleep_wake(files: dict[str, Rows]) -> list[str]:
+    body = []
+    for rows in files.values():
+        level2 = {r["mode"]: r for r in rows if r.get("bench") == "vllm_sleep_wake_level2"}
+        for r in rows:
+            if r.get("bench") != "vllm_sleep_wake_summary" or r["mode"] == "all":
+                continue
+            asleep = r["kv_reserved_asleep_max"]
+            body.append([r["mode"], r["rounds"], round(r["sleep_s_median"] * 1e3, 1),
+                         round(r["wake_s_median"] * 1e3, 1),
+                         round(r["ttft_after_wake_s_median"] * 1e3, 1),
+                         f"{r['freed_bytes_median'] / (1 << 30):.2f}",
+                         "—" if asleep is None else int(asleep),
+                         "yes" if r["tokens_equal_after_wake"] else "no",
+                         "yes" if level2[r["mode"]]["differs"] else "no"])  # fmt: skip
+    header = ["side", "rounds", "sleep ms", "wake ms", "first token after wake ms",
+              "freed GiB", "KV bytes held asleep", "tokens equal after wake",
+              "level 2 (weights dropped) changes them"]  # fmt: skip
+    return _table(header, body)
+
+
 def _allocator(files: dict[str, Rows]) -> list[str]:
     (rows,) = files.values()
     body = []
@@ -873,6 +894,19 @@ SECTIONS = (
         "there does not decide a ratio. The first run was cut before kvcached's 128 req/s; "
         "during the second its servers still held 38 GiB, idle (the folder's README).",
         _serve_latency,
+    ),
+    Section(
+        "vLLM's sleep mode with kvcached (H200)",
+        "benchmarks/vllm_sleep_wake.py",
+        ("h200-2026-12-02/vllm_sleep_wake.jsonl",),
+        "vLLM 0.26 in-process, a random Qwen3-0.6B shape: `LLM.sleep(level=1)` and "
+        "`wake_up()`, three rounds in each of two processes per side, medians over the "
+        "six; greedy tokens compared after every wake. vLLM alone frees its weights and "
+        "its whole static KV pool (42 GiB together); under kvcached the sleep frees the "
+        "weights and what the instance held, and its ledger row holds no KV while asleep. "
+        "The level-2 check (weights dropped, not "
+        "restored) must change the tokens: it shows the comparison can fail.",
+        _sleep_wake,
     ),
     Section(
         "kvcached serve: several models on one GPU (H200)",
