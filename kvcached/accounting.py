@@ -9,8 +9,9 @@ driver out-of-memory.
 Every account also tells its budget's `headroom`: what the device budget could still
 charge to anyone now. It is what an engine's free count adds to what is mapped (the
 allocator's `obtainable_blocks`) and what says the budget is under pressure (the
-elastic supply gives cached memory back, `kvcached.supply`). An account whose budget
-is unbounded answers None.
+elastic supply gives cached memory back, `kvcached.supply`), together with
+`has_neighbours`: a full budget is pressure only when someone else draws on it. An
+account whose budget is unbounded answers None.
 """
 
 from __future__ import annotations
@@ -46,4 +47,10 @@ class BudgetAccount(Protocol):
         budget is unbounded). A snapshot for planning, never a promise: another
         instance may charge them a moment later, and this instance's own limit is not
         included (that is `limit`)."""
+        ...
+
+    def has_neighbours(self) -> bool:
+        """Whether another instance draws on the same device budget now, holding memory
+        or not: only then can a full budget starve anyone but this instance, which has
+        every byte of it (the elastic supply's pressure rule, `kvcached.supply`)."""
         ...

@@ -189,6 +189,7 @@ class LocalBudget:
         self.total = _check_bytes("budget total", total, optional=True)
         self._lock = threading.Lock()
         self._charged = 0
+        self._accounts = 0  # accounts made on it (an in-process stand-in never closes one)
 
     @property
     def charged(self) -> int:
@@ -205,6 +206,8 @@ class LocalAccount:
     def __init__(self, limit: int | None = None, *, budget: LocalBudget | None = None) -> None:
         self._limit = _check_bytes("limit", limit, optional=True)
         self._budget = budget if budget is not None else LocalBudget()
+        with self._budget._lock:
+            self._budget._accounts += 1
         self._charged = 0
         self._used = 0
         self.refused = 0  # charges turned down, for tests and metrics
@@ -236,6 +239,9 @@ class LocalAccount:
     def headroom(self) -> int | None:
         budget = self._budget
         return None if budget.total is None else max(0, budget.total - budget._charged)
+
+    def has_neighbours(self) -> bool:
+        return self._budget._accounts > 1
 
     @property
     def limit(self) -> int | None:

@@ -180,6 +180,10 @@ class _GroupAccount:
     def headroom(self) -> int:
         return min(row.headroom() // copies for row, copies in self._rows)
 
+    def has_neighbours(self) -> bool:
+        # the instance's other groups draw on the same rows: they are neighbours too
+        return len(self._used) > 1 or any(row.has_neighbours() for row, _ in self._rows)
+
     @property
     def limit(self) -> int | None:
         # kvctl may change a row's limit between any two reads: read each one once

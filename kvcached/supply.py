@@ -37,16 +37,24 @@ order, the same for every engine:
    KVCACHED_INSTANCE_LIMIT, the serve supervisor): unused blocks, then cached blocks
    that cover the excess (`Reclaim.nbytes`), those that empty pages first. Checked busy
    or idle, at most every `CHECK_S`.
-2. `pressure`: the device budget has no room for one more page id, so another instance
-   (or this one) cannot grow: unused blocks and cached blocks worth `PRESSURE_SHARE` of
-   what the instance holds (at least one page id). At most every `PRESSURE_EVERY_S`, so
-   that a busy instance gives back steadily rather than flushing in one go a cache it may
-   need again soon. The share, not a fixed amount, because the rate at which memory must
-   come back grows with the memory held: on the H200, four vLLM engines sharing 8 GiB
-   with vLLM's prefix cache on gave back one page id (56 MiB) per turn, while a burst on
-   one of them needed about a GiB within a second; it queued for seconds (p99 TTFT 8.4 s
-   against 0.64 s for a static split, benchmarks/results/h200-2026-12-02/
-   serve-prefix-cache-on/). Checked busy or idle.
+2. `pressure`: the device budget has no room for one more page id, and another instance
+   draws on it (or another pool of this one, which its stock may starve): unused blocks
+   and cached blocks worth `PRESSURE_SHARE` of what the instance holds (at least one
+   page id). An instance alone on its budget holds all of it, and what it would give
+   back only comes back to it. A saturated SGLang server alone on its budget handed
+   its stock back every half second, each time waiting for the GPU to read the
+   stock's ids and, where whole page ids were free, again to unmap them, then
+   creating and mapping the same pages anew (on the H100 of 2026-12-05 it served 0.83
+   of SGLang alone's tokens/s at 128 req/s in the one pair that ran,
+   benchmarks/results/h100-2026-12-05b/; what this rule cost there is not measured
+   apart). At most every `PRESSURE_EVERY_S`, so that a busy instance gives back
+   steadily rather than flushing in one go a cache it may need again soon. The share,
+   not a fixed amount, because the rate at which memory must come back grows with the
+   memory held: on the H200, four vLLM engines sharing 8 GiB with vLLM's prefix cache
+   on gave back one page id (56 MiB) per turn, while a burst on one of them needed
+   about a GiB within a second; it queued for seconds (p99 TTFT 8.4 s against 0.64 s
+   for a static split, benchmarks/results/h200-2026-12-02/serve-prefix-cache-on/).
+   Checked busy or idle.
 3. `idle`: no request has held memory for KVCACHED_CACHE_IDLE_EVICT seconds: every
    unused and cached block. Once per idle period (the engine's next request starts a
    new one). Checked only while the engine is idle, so that a request arriving after a
@@ -194,10 +202,12 @@ class ElasticSupply:
         return max(unit, share)
 
     def under_pressure(self) -> bool:
-        """The device budget has no room for one more page id: some instance, this one
-        or another, cannot grow."""
-        room = self.allocator.account.headroom()
-        return room is not None and room < self.page_id_bytes
+        """The device budget has no room for one more page id and another instance (or
+        another group of this one) draws on it, so that someone else may be unable to
+        grow (Note [One reclaim policy])."""
+        account = self.allocator.account
+        room = account.headroom()
+        return room is not None and room < self.page_id_bytes and account.has_neighbours()
 
     def release_order(self, ids: Iterable[int]) -> list[int]:
         """`ids` in the order whose freeing empties pages soonest (`PageAllocator`)."""

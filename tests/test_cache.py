@@ -80,6 +80,23 @@ def test_groups_report_their_sum_as_used(backend: HostBackend) -> None:
             cache.alloc(1, group=2)
 
 
+def test_an_instances_groups_are_each_others_neighbours_on_the_budget(
+    backend: HostBackend,
+) -> None:
+    # one group's unused memory can starve another group of the same instance, so a
+    # full budget is pressure for them even with no other instance (kvcached.supply)
+    mixed = [LayerSpec(2, 64), LayerSpec(4, 64)]
+    with KVCache(mixed, block_size=16, name="two", backend=backend, **QUIET) as cache:
+        assert [a.account.has_neighbours() for a in cache.allocators] == [True, True]
+    with KVCache(LAYERS, block_size=16, name="one", backend=backend, **QUIET) as cache:
+        (allocator,) = cache.allocators
+        assert not allocator.account.has_neighbours()
+        neighbour = cache.ledger.register("neighbour", "vllm")
+        assert allocator.account.has_neighbours()
+        neighbour.close()
+        assert not allocator.account.has_neighbours()
+
+
 def test_views_write_through_to_the_blocks(backend: HostBackend) -> None:
     with KVCache(LAYERS, block_size=16, name="v", backend=backend, **QUIET) as cache:
         blocks = cache.alloc(3)

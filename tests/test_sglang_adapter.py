@@ -413,7 +413,9 @@ def test_over_the_limit_is_reported_in_bytes(ledger_env: Path) -> None:
         found.close()
 
 
-def test_a_full_budget_is_pressure(ledger_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_budget_is_pressure_with_another_instance_on_it(
+    ledger_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a flake: the pool thread, mapping ahead to its 256 MiB low watermark, filled the
     # 40 MiB budget before the first look, about one run in two after other tests
     monkeypatch.setenv("KVCACHED_POOL_LOW", "0")
@@ -423,7 +425,12 @@ def test_a_full_budget_is_pressure(ledger_env: Path, monkeypatch: pytest.MonkeyP
         assert not capacity.under_pressure()
         while capacity.take(1024, wait=0) is not None:
             pass
-        assert capacity.under_pressure()
+        # alone on the budget, the instance holds all of it: nobody to give back to
+        assert not capacity.under_pressure()
+        neighbour = found.cache.ledger.register("neighbour", "vllm")
+        assert capacity.under_pressure()  # another instance, which cannot grow
+        neighbour.close()
+        assert not capacity.under_pressure()
     finally:
         found.close()
 

@@ -124,7 +124,9 @@ def test_take_up_to_takes_what_the_budget_still_has_at_once(backing: BackingBuff
 
 # ---------------------------------------------------------------- the one policy
 def test_over_the_limit_comes_first_with_the_excess_in_bytes(backing: BackingBuffer) -> None:
-    account = LocalBudget(total=4 * G).account()
+    budget = LocalBudget(total=4 * G)
+    account = budget.account()
+    budget.account()  # a neighbour, holding nothing: the full budget is pressure
     with _allocator(backing, account) as allocator:
         elastic = ElasticSupply(allocator, idle_after=0.0)
         assert elastic.take(4 * BPP) is not None  # the budget is full, too
@@ -133,6 +135,21 @@ def test_over_the_limit_comes_first_with_the_excess_in_bytes(backing: BackingBuf
         assert elastic.decide(idle=True) == Reclaim("limit", 3 * G)
         account.limit = None
         assert elastic.decide(idle=True) == Reclaim("pressure", G)
+
+
+def test_a_full_budget_is_pressure_only_with_a_neighbour_on_it(backing: BackingBuffer) -> None:
+    # an instance alone on its budget holds all of it: what it gave back would only come
+    # back to it, after a wait for the GPU and an unmap (Note [One reclaim policy])
+    budget = LocalBudget(total=4 * G)
+    with _allocator(backing, budget.account()) as allocator:
+        elastic = ElasticSupply(allocator)
+        assert elastic.take(4 * BPP) is not None  # the whole budget
+        assert allocator.account.headroom() == 0 and not allocator.account.has_neighbours()
+        assert not elastic.under_pressure()
+        assert elastic.decide(idle=False) is None
+        budget.account()  # another instance registers, before it charges anything
+        assert elastic.under_pressure()
+        assert elastic.decide(idle=False) == Reclaim("pressure", G)
 
 
 def test_pressure_is_given_back_at_most_every_pressure_period(backing: BackingBuffer) -> None:
@@ -190,7 +207,9 @@ def test_an_idle_period_gives_its_cache_back_once_and_only_while_idle(
 
 def test_upkeep_evicts_then_releases_the_empty_extents(backing: BackingBuffer) -> None:
     budget = LocalBudget(total=4 * G)
-    with _allocator(backing, budget.account()) as allocator:
+    account = budget.account()
+    budget.account()  # a neighbour waiting for room
+    with _allocator(backing, account) as allocator:
         elastic = ElasticSupply(allocator)
         cached = elastic.take(4 * BPP)  # as if every block held a cached prefix
         assert cached is not None and allocator.reserved_bytes == 4 * G

@@ -7,8 +7,9 @@ changes them runs on the scheduler's own thread, between batches:
   loop (normal and overlap) takes. At most every `kvcached.supply.CHECK_S` it follows
   kvcached's Note [One reclaim policy] (`ElasticSupply.upkeep`): over the limit
   (`kvctl limit`, KVCACHED_INSTANCE_LIMIT), the stock goes back to kvcached and then
-  cached prefixes page-first until it fits; under budget pressure (another instance,
-  or this one, cannot grow), the stock and an eighth of what it holds in cached prefixes.
+  cached prefixes page-first until it fits; under budget pressure (the budget is full
+  and another instance draws on it, or, for a sliding-window pair, the two pools cannot
+  grow together), the stock and an eighth of what it holds in cached prefixes.
 * `upkeep_idle` wraps `Scheduler.on_idle` (no batch ran, the scheduler is fully idle;
   SGLang calls it at least every second then): it starts the supply's idle clock and
   runs the same upkeep, which after KVCACHED_CACHE_IDLE_EVICT seconds of idleness gives

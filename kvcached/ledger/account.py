@@ -76,6 +76,7 @@ class AccountLedger(Protocol):
     _tlock: threading.Lock  # taken before the flock
     _damaged: str | None  # why the file is damaged in this process, once it shrank
     _reserved_column: struct.Struct  # unpacks the reserved field of every row
+    _pid_column: struct.Struct  # unpacks the pid of every row (0: free)
 
     @property
     def closed(self) -> bool: ...
@@ -304,6 +305,27 @@ class LedgerAccount(Closeable):
         finally:
             lock.release()
         return max(0, budget - reserved)
+
+    def has_neighbours(self) -> bool:
+        """Whether another instance has a row in this ledger now, holding memory or not
+        (a row is registered before its instance charges anything). False once the file
+        is damaged: this process no longer reads it."""
+        ledger = self._check()
+        if ledger._damaged is not None:
+            return False
+        lock = ledger._tlock
+        lock.acquire()
+        try:
+            fcntl.flock(ledger._fd, fcntl.LOCK_EX)
+            try:
+                if not ledger._intact():
+                    return False
+                pids = ledger._pid_column.unpack_from(ledger._mm, 0)
+            finally:
+                fcntl.flock(ledger._fd, fcntl.LOCK_UN)
+        finally:
+            lock.release()
+        return any(pid for index, pid in enumerate(pids) if index != self.index)
 
     @property
     def reserved(self) -> int:

@@ -101,6 +101,7 @@ from kvcached.ledger.format import (
     _check_limit,
     _decode,
     _encode,
+    _pid_column,
     _reserved_column,
 )
 from kvcached.ledger.liveness import _boot_id, _identity
@@ -132,6 +133,7 @@ class Ledger(Closeable):
         self._damaged: str | None = None  # why, once the file shrank (never cleared)
         self._ino = os.fstat(fd).st_ino
         self._reserved_column = _reserved_column(capacity)
+        self._pid_column = _pid_column(capacity)
         self._tlock = threading.Lock()
         self._accounts: weakref.WeakSet[LedgerAccount] = weakref.WeakSet()
         self._closed = False

@@ -101,6 +101,11 @@ def _reserved_column(capacity: int) -> struct.Struct:
     return struct.Struct("<" + f"{first}xQ" + f"{between}xQ" * (capacity - 1))
 
 
+def _pid_column(capacity: int) -> struct.Struct:
+    """One struct that unpacks the pid of every row (0: a free row), skipping the rest."""
+    return struct.Struct("<" + f"{HEADER_SIZE}xI" + f"{ROW_SIZE - 4}xI" * (capacity - 1))
+
+
 # ------------------------------------------------------------- what goes into rows
 def _check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.match(key):
