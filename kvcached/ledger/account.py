@@ -34,9 +34,9 @@ import logging
 import mmap
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvcached.errors import InvalidArgument
 from kvcached.ledger import forks
@@ -61,6 +61,8 @@ from kvcached.ledger.records import InstanceRow
 from kvcached.lifetime import Closeable
 
 log = logging.getLogger("kvcached.ledger")
+
+T = TypeVar("T")
 
 __all__ = ["AccountLedger", "LedgerAccount"]
 
@@ -287,45 +289,43 @@ class LedgerAccount(Closeable):
     def headroom(self) -> int:
         """Bytes the device budget could still charge to any instance now (0 once the
         file is damaged): a snapshot for planning (a free-block count), never a promise."""
-        ledger = self._check()
-        if ledger._damaged is not None:
-            return 0
-        lock = ledger._tlock
-        lock.acquire()
-        try:
-            fcntl.flock(ledger._fd, fcntl.LOCK_EX)
-            try:
-                if not ledger._intact():
-                    return 0
-                mm = ledger._mm
-                budget = int(_BUDGET.unpack_from(mm, _BUDGET_OFFSET)[0])
-                reserved = int(sum(ledger._reserved_column.unpack_from(mm, 0)))
-            finally:
-                fcntl.flock(ledger._fd, fcntl.LOCK_UN)
-        finally:
-            lock.release()
-        return max(0, budget - reserved)
+        column = self._ledger._reserved_column
+
+        def room(mm: mmap.mmap) -> int:
+            budget = int(_BUDGET.unpack_from(mm, _BUDGET_OFFSET)[0])
+            return max(0, budget - int(sum(column.unpack_from(mm, 0))))
+
+        return self._read_ledger(room, damaged=0)
 
     def has_neighbours(self) -> bool:
         """Whether another instance has a row in this ledger now, holding memory or not
         (a row is registered before its instance charges anything). False once the file
         is damaged: this process no longer reads it."""
+        column, mine = self._ledger._pid_column, self.index
+
+        def others(mm: mmap.mmap) -> bool:
+            return any(pid for index, pid in enumerate(column.unpack_from(mm, 0)) if index != mine)
+
+        return self._read_ledger(others, damaged=False)
+
+    def _read_ledger(self, read: Callable[[mmap.mmap], T], *, damaged: T) -> T:
+        """`read(map)` of the whole ledger under its two locks (Note [Locking] in
+        book.py); `damaged` once the file is damaged."""
         ledger = self._check()
         if ledger._damaged is not None:
-            return False
+            return damaged
         lock = ledger._tlock
         lock.acquire()
         try:
             fcntl.flock(ledger._fd, fcntl.LOCK_EX)
             try:
                 if not ledger._intact():
-                    return False
-                pids = ledger._pid_column.unpack_from(ledger._mm, 0)
+                    return damaged
+                return read(ledger._mm)
             finally:
                 fcntl.flock(ledger._fd, fcntl.LOCK_UN)
         finally:
             lock.release()
-        return any(pid for index, pid in enumerate(pids) if index != self.index)
 
     @property
     def reserved(self) -> int:
