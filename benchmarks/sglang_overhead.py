@@ -32,6 +32,14 @@ importing SGLang.
     python benchmarks/sglang_overhead.py /tmp/m-q06 --out-dir $OUT [--repeats 3]
         [--prompts 256] [--prompt-len 128] [--max-tokens 128] [--mem-fraction 0.3]
         [--budget 40GiB] [--pressure-limit 2GiB] [--context-length 2048]
+        [--seconds S] [--label NAME]
+    python benchmarks/sglang_overhead.py --cell q06-long --out-dir $OUT [--seconds S]
+
+`--cell NAME` runs one cell of the per-configuration sweep (`SWEEP_CELLS`: the model, the
+batch's shape and kvcached's extent size; `scripts/sglang-gpu-run.sh sweep` runs them
+all), labelled with its name. `--seconds S` starts no pair of timed batches after S
+seconds from the start, so that the summary comes out before a `timeout` of the whole
+run. The summary's `config` says what ran.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +77,44 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the sweep: a model folder (the recipe's random checkpoints),
+    the batch's shape and the kvcached extent size (KVCACHED_EXTENT_SIZE)."""
+
+    model: str
+    prompts: int
+    prompt_len: tuple[int, int]  # shortest, longest
+    max_tokens: int
+    context_length: int
+    extent_size: str
+
+
+#: the SGLang side of the characterization sweep (issue 22), the shapes of the vLLM
+#: sweep's cells (scripts/vllm-gpu-run.sh sweep): short requests, long prompts, the long
+#: ones with 2 MiB and 64 MiB extents, and the same two shapes on the Qwen3-8B shape
+SWEEP_CELLS = {
+    "q06-short": Cell("/tmp/m-q06", 256, (128, 128), 128, 2048, "32MiB"),
+    "q06-long": Cell("/tmp/m-q06", 64, (2048, 4096), 256, 8192, "32MiB"),
+    "q06-long-2MiB": Cell("/tmp/m-q06", 64, (2048, 4096), 256, 8192, "2MiB"),
+    "q06-long-64MiB": Cell("/tmp/m-q06", 64, (2048, 4096), 256, 8192, "64MiB"),
+    "q8b-short": Cell("/tmp/m-q8b", 128, (512, 512), 128, 2048, "32MiB"),
+    "q8b-long": Cell("/tmp/m-q8b", 32, (2048, 6144), 256, 8192, "32MiB"),
+}
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?", default=None, help="the model folder (or --cell)")
+    ap.add_argument(
+        "--cell", choices=sorted(SWEEP_CELLS), default=None,
+        help="one cell of the sweep: its model, batch and extent size",
+    )  # fmt: skip
+    ap.add_argument("--label", default=None, help="what the summary's config calls this run")
+    ap.add_argument(
+        "--seconds", type=float, default=None,
+        help="start no pair of timed batches after this many seconds from the start",
+    )  # fmt: skip
     ap.add_argument("--out-dir", required=True, help="JSON lines and logs go here")
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per side (>= 3)")
     ap.add_argument("--prompts", type=int, default=256)
@@ -90,6 +134,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="error")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     a = ap.parse_args(argv)
+    a.extent_size = os.environ.get("KVCACHED_EXTENT_SIZE")
+    if a.cell is not None:
+        cell = SWEEP_CELLS[a.cell]
+        a.model = a.model or cell.model
+        a.prompts, a.max_tokens = cell.prompts, cell.max_tokens
+        a.context_length = cell.context_length
+        a.prompt_len, a.prompt_len_max = cell.prompt_len
+        a.extent_size = cell.extent_size
+        a.label = a.label or a.cell
+    if a.model is None:
+        ap.error("give the model folder, or --cell NAME (one of the sweep's cells)")
     if a.repeats < 1 or a.prompts < 1 or a.max_tokens < 1:
         ap.error("--repeats, --prompts and --max-tokens must be at least 1")
     longest = max(a.prompt_len, a.prompt_len_max or 0)
@@ -107,12 +162,35 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def config(a: argparse.Namespace) -> dict[str, Any]:
+    """What ran, for the summary (the performance page's sweep table reads it)."""
+    return {
+        "label": a.label,
+        "model": a.model,
+        "prompts": a.prompts,
+        "prompt_len": [a.prompt_len, max(a.prompt_len, a.prompt_len_max or 0)],
+        "max_tokens": a.max_tokens,
+        "context_length": a.context_length,
+        "extent_size": a.extent_size or "default",
+        "repeats": a.repeats,
+        "seconds": a.seconds,
+    }
+
+
 def order(repeats: int) -> list[str]:
     """off, on, on, off, off, on, ...: drift falls on both sides alike."""
     sides = []
     for i in range(repeats):
         sides += ["off", "on"] if i % 2 == 0 else ["on", "off"]
     return sides
+
+
+def out_of_time(began: float, seconds: float | None, now: float | None = None) -> bool:
+    """Whether a run given `seconds` from `began` (time.monotonic) should start no more
+    pairs."""
+    if seconds is None:
+        return False
+    return (time.monotonic() if now is None else now) - began > seconds
 
 
 def checksum(outputs: list[dict[str, Any]]) -> tuple[str, int, int]:
@@ -170,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = ["startup off", "startup on", "warmup"] + [f"run {s}" for s in order(a.repeats)]
     plan += [s for s in ("pressure", "corrupt") if s not in a.skip]
     if a.dry_run:
-        print(json.dumps({"step": "plan", "steps": plan, "budget": a.budget_bytes}))
+        print(json.dumps({"step": "plan", "steps": plan, "budget": a.budget_bytes,
+                          "config": config(a)}))  # fmt: skip
         return 0
+    began = time.monotonic()
     report = Report(out_dir)
     ledger_dir = os.environ.get("KVCACHED_LEDGER_DIR") or str(out_dir / "ledger")
     os.makedirs(ledger_dir, exist_ok=True)
@@ -190,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             "KVCACHED_INSTANCE_NAME": INSTANCE,
             CORRUPT_ENV: str(trigger),
         }
+        if a.extent_size:  # read by kvcached in the scheduler process SGLang spawns
+            env["KVCACHED_EXTENT_SIZE"] = a.extent_size
         os.environ.update(env)  # the scheduler process spawned now inherits it
         options: dict[str, Any] = {}
         if a.tp_size > 1:  # rank 0 decides the pages, every rank maps them (kvcached side)
@@ -264,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     for side in engines:
         report.step("warmup", lambda side=side: results.append(batch(side, "warmup")))
     for index, side in enumerate(order(a.repeats)):
+        if index % 2 == 0 and out_of_time(began, a.seconds):
+            report.emit({"step": "out_of_time", "pairs_run": index // 2})
+            break
         if side in engines:  # the two batches of repeat i run back to back: its pair
             report.step(
                 f"run {side}",
@@ -283,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "equal": len(baseline) == 1
         and all(r["checksum"] in baseline for r in results if r["side"] == "on"),
         "median_out_tok_per_s": speed,
+        "config": config(a),
     }
     if "on" in speed and "off" in speed:
         summary["throughput_ratio"] = round(speed["on"] / speed["off"], 4)

@@ -8,6 +8,12 @@
 #   overhead8b the same on the Qwen3-8B shape (/tmp/m-q8b: make it first with the vLLM
 #              recipe's make_random_model.py, preset qwen3-8b), 2K-6K-token prompts, 256
 #              new tokens, REPEATS (21) pairs: the run that can decide the target (issue 22)
+#   sweep      the SGLang side of the per-configuration characterization (issue 22):
+#              benchmarks/sglang_overhead.py --cell for each of SWEEP_CELLS (default: all
+#              of the script's SWEEP_CELLS, 0.6B and 8B shapes, short and long prompts,
+#              2/32/64 MiB extents; /tmp/m-q8b for the q8b cells), REPEATS (11) pairs, each
+#              cell bounded by CELL_S (420) seconds, its pairs stopping 90 s before, into
+#              $OUT/sweep/sglang_overhead.jsonl; equality checked on every batch
 #   multi      benchmarks/sglang_multi_instance.py: two SGLang instances, one ledger
 #   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
 #              vLLM recipe's site; kvcached is installed there too)
@@ -69,6 +75,18 @@ for step in $steps; do
             /tmp/m-q8b --out-dir "$dir" --repeats "${REPEATS:-21}" --prompts 32 \
             --prompt-len 2048 --prompt-len-max 6144 --max-tokens 256 --context-length 8192 \
             --mem-fraction 0.4 --budget 40GiB --skip pressure > "$dir/run.log" 2>&1 ;;
+    sweep)
+        cells=$(python3 -c 'import sys; sys.path[:0] = [sys.argv[1]]
+import sglang_overhead as b; print(" ".join(b.SWEEP_CELLS))' "$repo/benchmarks")
+        for cell in ${SWEEP_CELLS:-$cells}; do
+            cell_s=${CELL_S:-420}
+            timeout "$cell_s" python3 "$repo/benchmarks/sglang_overhead.py" --cell "$cell" \
+                --out-dir "$dir" --repeats "${REPEATS:-11}" --seconds $((cell_s - 90)) \
+                --mem-fraction 0.4 --budget 40GiB --skip pressure,corrupt \
+                >> "$dir/run.log" 2>&1 || { echo "STEP sweep: cell $cell failed"; status=1; }
+            grep -h '"step": "summary"' "$dir/sglang_overhead.jsonl" | tail -n 1 | cut -c1-400
+        done
+        true ;;
     multi)
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,sglang --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
@@ -84,7 +102,7 @@ for step in $steps; do
         python3 -P -m pytest -q -p no:cacheprovider -rfEs -m gpu \
             "$repo/tests/test_sglang_real.py" > "$dir/run.log" 2>&1 ;;
     *)
-        echo "STEP $step: unknown (overhead, overhead8b, multi, colocated, latency, real)"
+        echo "STEP $step: unknown (overhead, overhead8b, sweep, multi, colocated, latency, real)"
         status=2
         continue ;;
     esac
