@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from process_state import state  # tests/, on sys.path under pytest
 
 from kvcached import ledger as ledger_module
 from kvcached.accounting import BudgetAccount
@@ -420,16 +421,11 @@ def test_killed_process_not_yet_reaped_counts_as_dead(ledger: Ledger) -> None:
     try:
         _wait_for(lambda: process_start_time(proc.pid) is None, "the killed holder to exit")
         # Not reaped (no proc.wait() yet): a zombie whose every thread has exited.
-        assert _state(proc.pid) == "Z"
+        assert state(proc.pid) == "Z"
         assert os.listdir(f"/proc/{proc.pid}/task") == [str(proc.pid)]
         assert ledger.rows() == []
     finally:
         proc.wait()
-
-
-def _state(pid: int) -> str:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rfind(")") + 2]
 
 
 def _wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -467,7 +463,7 @@ def test_reclaim_waits_for_all_threads_of_a_killed_process(ledger: Ledger) -> No
     assert proc.stdin is not None and proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == b"ready"
-        _wait_for(lambda: _state(proc.pid) == "Z", "the main thread to become a zombie")
+        _wait_for(lambda: state(proc.pid) == "Z", "the main thread to become a zombie")
         assert process_start_time(proc.pid) is not None  # a thread is left: alive
         assert ledger.reclaim_dead() == 0
         other = ledger.register("other", "test")

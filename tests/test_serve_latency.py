@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_state import ended  # tests/, on sys.path under pytest
 
 pytest.importorskip("httpx")
 
@@ -119,22 +120,14 @@ def test_a_run_cut_by_sigterm_stops_both_servers(tmp_path: Path) -> None:
             assert bench.poll() is None, bench.stdout.read().decode()[-3000:]  # type: ignore[union-attr]
             time.sleep(0.5)
         pids = [json.loads(f.read_text())["pid"] for f in records.glob("*.json")]
-        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        assert len(pids) == 2 and not any(ended(pid) for pid in pids)
         bench.send_signal(signal.SIGTERM)
         bench.wait(timeout=90)
     finally:
         if bench.poll() is None:
             bench.kill()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while not all(ended(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids), "a server outlived the cut run"
+    assert all(ended(pid) for pid in pids), "a server outlived the cut run"
     assert bench.returncode == 128 + signal.SIGTERM
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"

@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: process_state
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import harness
 import render_compatibility
+from process_state import ended
 
 from kvcached.testing.random_arch import ARCHITECTURES
 
@@ -182,10 +184,10 @@ def test_a_hung_run_is_killed_with_its_children_and_reads_as_a_timeout(tmp_path:
     assert harness._last_error(stdout + stderr) == "TimeoutError: no result in 3 s"
     child = int(pid_file.read_text())
     for _ in range(50):  # the killed child is reaped by init shortly after
-        if not Path(f"/proc/{child}").exists() or "Z" in _state(child):
+        if ended(child):
             break
         time.sleep(0.1)
-    assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
+    assert ended(child)
 
 
 def test_a_run_cut_by_the_rows_time_says_out_of_time_and_other_errors_stay() -> None:
@@ -194,13 +196,6 @@ def test_a_run_cut_by_the_rows_time_says_out_of_time_and_other_errors_stay() -> 
     assert cut.startswith("out of time: the row's 460 s ran out") and "60 s" in cut
     crash = "RuntimeError: Prefill out of memory"
     assert harness._killed_or_failed(crash, 460.0) == crash
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return "Z"
 
 
 def _fake_row(name: str, work: Path, **kwargs: Any) -> dict[str, Any]:
