@@ -103,12 +103,25 @@ SWEEP_CELLS = {
 }
 
 
+class _ListCells(argparse.Action):
+    """`--list-cells`: the cell names, one line, then exit (before the required options
+    are checked, as --help does)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        print(" ".join(SWEEP_CELLS))
+        parser.exit()
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="the model folder (or --cell)")
     ap.add_argument(
         "--cell", choices=sorted(SWEEP_CELLS), default=None,
         help="one cell of the sweep: its model, batch and extent size",
+    )  # fmt: skip
+    ap.add_argument(
+        "--list-cells", action=_ListCells, nargs=0,
+        help="print the sweep's cell names and exit (scripts/sglang-gpu-run.sh sweep)",
     )  # fmt: skip
     ap.add_argument("--label", default=None, help="what the summary's config calls this run")
     ap.add_argument(
@@ -147,10 +160,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("give the model folder, or --cell NAME (one of the sweep's cells)")
     if a.repeats < 1 or a.prompts < 1 or a.max_tokens < 1:
         ap.error("--repeats, --prompts and --max-tokens must be at least 1")
-    longest = max(a.prompt_len, a.prompt_len_max or 0)
-    if longest + a.max_tokens > a.context_length:
+    # the longest prompt, from here on (--prompt-len-max defaults to --prompt-len)
+    a.prompt_len_max = max(a.prompt_len, a.prompt_len_max or 0)
+    if a.prompt_len_max + a.max_tokens > a.context_length:
         ap.error(f"--context-length {a.context_length} is shorter than the longest prompt "
-                 f"({longest}) plus --max-tokens ({a.max_tokens}): raise it")  # fmt: skip
+                 f"({a.prompt_len_max}) plus --max-tokens ({a.max_tokens}): raise it")  # fmt: skip
     from kvcached.config import parse_size
 
     a.budget_bytes = parse_size(a.budget, what="--budget")
@@ -168,7 +182,7 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
         "label": a.label,
         "model": a.model,
         "prompts": a.prompts,
-        "prompt_len": [a.prompt_len, max(a.prompt_len, a.prompt_len_max or 0)],
+        "prompt_len": [a.prompt_len, a.prompt_len_max],
         "max_tokens": a.max_tokens,
         "context_length": a.context_length,
         "extent_size": a.extent_size or "default",
@@ -314,11 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = engines["off"].tokenizer_manager.tokenizer
     vocab = len(tokenizer) if tokenizer is not None else 1000
     rng = random.Random(0)
-    longest = max(a.prompt_len, a.prompt_len_max or 0)
     prompts = [
-        [rng.randrange(16, max(17, vocab - 16)) for _ in range(rng.randint(a.prompt_len, longest))]
+        [rng.randrange(16, max(17, vocab - 16))
+         for _ in range(rng.randint(a.prompt_len, a.prompt_len_max))]
         for _ in range(a.prompts)
-    ]
+    ]  # fmt: skip
     params = {"temperature": 0.0, "max_new_tokens": a.max_tokens, "ignore_eos": True}
 
     def batch(side: str, step: str, repeat: int | None = None) -> dict[str, Any]:

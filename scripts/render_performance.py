@@ -914,8 +914,8 @@ SECTIONS = (
         "six; greedy tokens compared after every wake. vLLM alone frees its weights and "
         "its whole static KV pool (42 GiB together); under kvcached the sleep frees the "
         "weights and what the instance held, and its ledger row holds no KV while asleep. "
-        "The level-2 check (weights dropped, not "
-        "restored) must change the tokens: it shows the comparison can fail.",
+        "The level-2 check (weights dropped, not restored) must change the tokens: it "
+        "shows the comparison can fail.",
         _sleep_wake,
     ),
     Section(

@@ -76,8 +76,7 @@ for step in $steps; do
             --prompt-len 2048 --prompt-len-max 6144 --max-tokens 256 --context-length 8192 \
             --mem-fraction 0.4 --budget 40GiB --skip pressure > "$dir/run.log" 2>&1 ;;
     sweep)
-        cells=$(python3 -c 'import sys; sys.path[:0] = [sys.argv[1]]
-import sglang_overhead as b; print(" ".join(b.SWEEP_CELLS))' "$repo/benchmarks")
+        cells=$(python3 "$repo/benchmarks/sglang_overhead.py" --list-cells)
         for cell in ${SWEEP_CELLS:-$cells}; do
             cell_s=${CELL_S:-420}
             timeout "$cell_s" python3 "$repo/benchmarks/sglang_overhead.py" --cell "$cell" \

@@ -16,9 +16,9 @@ SCRIPT = ROOT / "benchmarks" / "sglang_overhead.py"
 
 
 def _cells() -> list[str]:
-    code = f"import sys; sys.path[:0] = [{str(SCRIPT.parent)!r}]\n"
-    code += "import sglang_overhead as b; print(' '.join(b.SWEEP_CELLS))"  # as the script asks
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(  # as scripts/sglang-gpu-run.sh sweep asks
+        [sys.executable, str(SCRIPT), "--list-cells"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()
 
