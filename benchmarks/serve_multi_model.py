@@ -382,9 +382,11 @@ async def _one(
     sent = time.monotonic()
     first: float | None = None
     tokens = 0
+    headers = False  # did the answer begin? tells a dropped connection from a cut stream
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", f"{base}/v1/completions", json=body) as answer:
+                headers = True
                 if answer.status_code != 200:
                     text = (await answer.aread()).decode(errors="replace")[:200]
                     return Result(model, False, error=f"HTTP {answer.status_code}: {text}")
@@ -400,8 +402,13 @@ async def _one(
     except TimeoutError:
         return Result(model, False, error=f"no end within {timeout:g} s")
     except Exception as exc:
-        # where it broke tells a refused or reused connection from a stream cut short
-        where = "mid-stream" if tokens else "before the first token"
+        # where it broke tells a refused or reused connection (no headers yet) from a
+        # stream the server began and then cut
+        where = (
+            "mid-stream" if tokens
+            else "after the headers, before the first token" if headers
+            else "before the answer's headers"
+        )  # fmt: skip
         return Result(model, False, error=f"{type(exc).__name__} {where}: {exc}"[:200])
     done = time.monotonic()
     if first is None:

@@ -92,8 +92,8 @@ for step in $steps; do
     colocated)
         python3 "$repo/benchmarks/sglang_multi_instance.py" "$model" --out-dir "$dir" \
             --engines sglang,vllm --seconds "${SECONDS_LOAD:-60}" > "$dir/run.log" 2>&1 ;;
-    latency)
-        timeout "${LATENCY_S:-560}" python3 "$repo/benchmarks/serve_latency.py" \
+    latency)  # the servers' logs are kept: a failed request's cause is in them
+        KEEP_LOGS="$dir/logs" timeout "${LATENCY_S:-560}" python3 "$repo/benchmarks/serve_latency.py" \
             --engine sglang --model "$model" --kv "${LATENCY_KV:-16GiB}" \
             --rates "${LATENCY_RATES:-8,16,32,64,128}" --seconds "${LATENCY_SECONDS:-20}" \
             --out "$dir/serve_latency.jsonl" > "$dir/run.log" 2>&1 ;;

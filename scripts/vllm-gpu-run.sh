@@ -82,7 +82,7 @@ for step in "$@"; do
         python3 "$repo/benchmarks/vllm_overhead.py" x --summarize "$out/vllm_overhead_8b.jsonl"
         ;;
     latency)  # issue 22: Poisson arrivals up to and past saturation, vanilla vs kvcached
-        timeout "${LATENCY_S:-560}" python3 "$repo/benchmarks/serve_latency.py" \
+        KEEP_LOGS="$out/serve_latency_logs" timeout "${LATENCY_S:-560}" python3 "$repo/benchmarks/serve_latency.py" \
             --model "${LATENCY_MODEL:-/tmp/m-q06}" --kv "${LATENCY_KV:-16GiB}" \
             --rates "${LATENCY_RATES:-8,16,32,64,128}" --seconds "${LATENCY_SECONDS:-20}" \
             --out "$out/serve_latency.jsonl" || status=1
