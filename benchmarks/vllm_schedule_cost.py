@@ -12,8 +12,16 @@ a summary with the median paired ratio (benchmarks/paired_ratios.py).
 
     python benchmarks/vllm_schedule_cost.py MODEL [--pairs 6] [--prompts 256]
         [--prompt-len 32] [--max-tokens 48] [--dtype float32] [--out results.jsonl]
+        [--tree LABEL=CHECKOUT ...]
 
 MODEL: e.g. the tiny random Qwen3 of kvcached.testing.random_model (made when omitted).
+
+`--tree` (twice or more) compares kvcached trees instead, side by side: each checkout's
+kvcached is copied into an importable package (its `package-dir` folders, as
+pyproject.toml maps them) put first on the run's PYTHONPATH, and each round runs vLLM
+alone and every tree once, the order rotating from round to round. The summary gives
+each tree's median paired ratio against vLLM alone, and every later tree's against the
+first (first / later: above 1.0 is the later tree faster).
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from paired_ratios import verdict  # benchmarks/, on sys.path as this script's folder
+# benchmarks/, on sys.path as this script's folder
+from paired_ratios import bootstrap_median_interval, verdict
 
 
 def child(a: argparse.Namespace) -> None:
@@ -81,10 +91,34 @@ def child(a: argparse.Namespace) -> None:
     }), flush=True)  # fmt: skip
 
 
-def run(a: argparse.Namespace, kvcached: bool, ledger: Path) -> dict[str, Any]:
+def importable_tree(checkout: Path, into: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes `import kvcached` load `checkout`'s code:
+    its package-dir folders (pyproject.toml) copied as one package tree. (An editable
+    install maps kvcached.engines and the rest to the installed checkout by a finder
+    that a PYTHONPATH entry alone would not override for the subpackages.)"""
+    import shutil
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise SystemExit("--tree reads pyproject.toml with tomllib: Python 3.11+") from None
+
+    project = tomllib.loads((checkout / "pyproject.toml").read_text())
+    folders: dict[str, str] = project["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(folders.items()):  # "kvcached" before its subpackages
+        shutil.copytree(checkout / folder, into / package.replace(".", "/"),
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    return into
+
+
+def run(
+    a: argparse.Namespace, kvcached: bool, ledger: Path, tree: Path | None = None
+) -> dict[str, Any]:
     env = dict(os.environ, ENABLE_KVCACHED="1" if kvcached else "0",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", KVCACHED_LEDGER_DIR=str(ledger),
                VLLM_HOST_IP=os.environ.get("VLLM_HOST_IP", "127.0.0.1"))  # fmt: skip
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     argv = [sys.executable, __file__, str(a.model), "--child", "--prompts", str(a.prompts),
             "--prompt-len", str(a.prompt_len), "--max-tokens", str(a.max_tokens),
             "--dtype", a.dtype, "--token-max", str(a.token_max), "--gpu-mem", str(a.gpu_mem),
@@ -109,6 +143,10 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.1)
     ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="vLLM alone's KV memory")
     ap.add_argument("--label", default=None, help="what this run measured (e.g. a commit)")
+    ap.add_argument(
+        "--tree", action="append", default=[], metavar="LABEL=CHECKOUT",
+        help="a kvcached checkout to run (twice or more: trees compared side by side)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -131,6 +169,11 @@ def main() -> None:
             out.write(json.dumps(row) + "\n")
             out.flush()
 
+    if a.tree:
+        compare_trees(a, work, ledger, keep)
+        if out:
+            out.close()
+        return
     results: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for pair in range(a.pairs):
         for kvcached in (False, True) if pair % 2 == 0 else (True, False):
@@ -154,6 +197,51 @@ def main() -> None:
     })  # fmt: skip
     if out:
         out.close()
+
+
+def compare_trees(
+    a: argparse.Namespace, work: Path, ledger: Path, keep: Callable[[dict[str, Any]], None]
+) -> None:
+    """vLLM alone and each tree once a round, the order rotating (see the docstring)."""
+    trees: dict[str, Path] = {}
+    for spec in a.tree:
+        label, sep, checkout = spec.partition("=")
+        if not sep or not label or label in trees or label == "vllm":
+            raise SystemExit(f"--tree {spec!r}: expected LABEL=CHECKOUT, a new label each")
+        trees[label] = importable_tree(Path(checkout).resolve(), work / f"tree-{label}")
+    if len(trees) < 2:
+        raise SystemExit("--tree: name two checkouts or more to compare")
+    sides = ["vllm", *trees]
+    medians: dict[str, list[float]] = {side: [] for side in sides}
+    checksums = set()
+    for round_ in range(a.pairs):
+        shift = round_ % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            tree = trees.get(side)
+            result = run(a, tree is not None, ledger, tree)
+            medians[side].append(result["median_us"])
+            checksums.add(result["checksum"])
+            keep({"pair": round_, "side": side, "kvcached": tree is not None, **result})
+    first, *later = trees
+    summary: dict[str, Any] = {
+        "bench": "vllm_schedule_cost_trees_summary",
+        "prompts": a.prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
+        "median_us": {side: statistics.median(medians[side]) for side in sides},
+        "greedy_equal": len(checksums) == 1,
+    }  # fmt: skip
+    for side in trees:  # vLLM alone / the tree: 1.0 is no cost, as in the main summary
+        ratios = [x / y for x, y in zip(medians["vllm"], medians[side], strict=True)]
+        summary[f"vllm_over_{side}"] = verdict(ratios)
+    for side in later:  # first / later: above 1.0 is the later tree faster (no target:
+        # between two trees only the interval's side of 1.0 says anything)
+        ratios = [x / y for x, y in zip(medians[first], medians[side], strict=True)]
+        low, high = bootstrap_median_interval(ratios)
+        summary[f"{first}_over_{side}"] = {
+            "paired_ratios": [round(x, 4) for x in ratios], "pairs": len(ratios),
+            "paired_ratio_median": round(statistics.median(ratios), 4),
+            "paired_ratio_ci95": [round(low, 4), round(high, 4)],
+        }  # fmt: skip
+    keep(summary)
 
 
 if __name__ == "__main__":

@@ -196,3 +196,34 @@ def test_the_count_checked_for_a_prefix_hit_keeps_the_hit_and_hands_back_the_res
         assert manager.allocate_slots(other, 1) is not None  # the next check hands back
         assert queue.unused_blocks == 0
         assert allocator.used_blocks == 1 + BPP + 1 + 1
+
+
+def test_a_decode_step_whose_tokens_fit_asks_the_supply_nothing(
+    backing: BackingBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the per-request path of every decode step: the coordinator counts a need of zero
+    # and vLLM compares it with the free count; the pool answers from what it holds,
+    # without the supply's count (Note [A counted block is a taken block])
+    with PageAllocator(
+        backing.group, account=LocalBudget(total=4 * G).account(), extent_bytes=G,
+        pool_low=0, pool_high=0, release_delay=0.0, background=False,
+    ) as allocator:  # fmt: skip
+        manager = _manager(allocator, monkeypatch)
+        request = _request("r0", BLOCK_SIZE + 1)  # two blocks: room for more tokens
+        assert manager.allocate_slots(request, request.num_tokens) is not None
+        request.num_computed_tokens = request.num_tokens  # prefilled, as the scheduler says
+        queue = manager.block_pool.free_block_queue
+        asked: list[int] = []
+        obtainable = queue.supply.obtainable
+        monkeypatch.setattr(queue.supply, "obtainable", lambda: asked.append(1) or obtainable())
+        request.append_output_token_ids(7)  # one decoded token, still inside block two
+        blocks = manager.allocate_slots(request, 1)
+        assert blocks is not None and blocks.get_block_ids() == ([],)  # nothing new
+        assert asked == []  # answered without the supply
+        assert queue._expected is None  # and the comparison is spent
+        for _ in range(BLOCK_SIZE):  # past the block's end: a need of one
+            request.append_output_token_ids(7)
+        request.num_computed_tokens = request.num_tokens - 1
+        blocks = manager.allocate_slots(request, 1)
+        assert blocks is not None and len(blocks.get_block_ids()[0]) == 1  # a third block
+        assert asked  # a real need is counted against the supply

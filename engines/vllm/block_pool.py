@@ -25,17 +25,18 @@ compares that with `get_num_free_blocks()` and, if they fit, takes them
 (`get_new_blocks` -> `popleft_n`). Part of the count is the device budget's headroom,
 which another instance can charge between the comparison and the take; it keeps what
 it took, so the take would fail after vLLM had already decided, and the engine would
-die. So the comparison itself takes: the coordinator's count is recorded (`expect`, by
-the shim `counted_for_the_comparison`), and the free-block count that follows it *stages* that many
-fresh blocks from the supply, as many as it can have. When it gets them all, the count
+die. So the comparison itself takes: the coordinator's count is recorded
+(`_tell_the_queue`, by the shim `counted_for_the_comparison`), and the free-block count
+that follows it *stages* that many fresh blocks from the supply, as many as it can have. When it gets them all, the count
 is what it always was; when it does not, the count is only what is held for sure (the
 retained blocks and the staged ones), below the need, so vLLM returns None and preempts
 or queues, its own answer to a shortage. `popleft_n` serves staged blocks first; blocks
 staged but not taken (the need counted prefix hits, or vLLM declined for its watermark)
 go back at the next comparison, or with the unused memory of an upkeep. A need of
 zero (most running requests at a decode step: their next token fits their blocks) with
-nothing staged is answered with the retained count alone, no upkeep, no supply query:
-it is on the path vLLM walks once per running request per step. Between a
+nothing staged is answered by the pool's `get_num_free_blocks` with the retained count
+alone, no upkeep, no supply query: it is on the path vLLM walks once per running
+request per step, where each Python call kvcached adds costs ~0.1 us a request. Between a
 comparison and its take nothing may shrink what was promised: the upkeep that rides on
 the scheduler's calls runs only at a comparison, before its staging, and never evicts
 the request's own prefix hits that the need counted; counts that are not comparisons
@@ -123,12 +124,6 @@ class ElasticFreeQueue:
     def num_free_blocks(self) -> int:
         need, self._expected = self._expected, None
         if need is not None:
-            if need == 0 and not self._staged:
-                # a running request whose next tokens fit its blocks, most of them at
-                # every decode step: nothing to stage, and any count passes vLLM's
-                # `0 > free` (answered here, a call less on the per-request path)
-                self._comparisons_seen = True
-                return len(self._retained)
             return self._compare(need)
         if not self._comparisons_seen and self.holds_unused() and self.supply.check_due():
             self.upkeep(idle=False)
@@ -176,12 +171,7 @@ class ElasticFreeQueue:
         return list(self._retained.values())
 
     # ------------------------------------ Note [A counted block is a taken block]
-    def expect(self, need: int, hits: Sequence[Sequence[Any]] = ()) -> None:
-        """The coordinator counted `need` blocks for a request, `hits` (its prefix hits,
-        per KV cache group) among them: the next free-block count is the comparison."""
-        self._expected = need
-        self._expected_hits = hits
-
+    # (`_expected` and `_expected_hits` are set by `_tell_the_queue`, below)
     def _compare(self, need: int) -> int:
         """The free-block count vLLM compares `need` with: `need` fresh blocks staged
         (as many as the supply gives), and only what is held for sure when short."""
@@ -360,6 +350,18 @@ def elastic_block_pool(block_pool_class: type) -> type:
             self.free_block_queue = ElasticFreeQueue(self, found)
             found.pool = self
 
+        def get_num_free_blocks(self) -> int:
+            # vLLM's count reads the queue's property; a zero need (a running request
+            # whose next tokens fit its blocks, most of them at every decode step) is
+            # answered here, a call less on a path walked once per request per step:
+            # nothing to stage, and any count passes vLLM's `0 > free`
+            queue = self.free_block_queue
+            if queue._expected == 0 and not queue._staged:
+                queue._expected = None
+                queue._comparisons_seen = True
+                return len(queue._retained)
+            return queue.num_free_blocks
+
         def get_usage(self) -> float:
             allocator = self.free_block_queue._allocator
             used = allocator.used_blocks - 1 - self.free_block_queue.unused_blocks
@@ -424,13 +426,16 @@ def counted_for_the_comparison(original: Callable[..., int]) -> Callable[..., in
 
 
 def _tell_the_queue(coordinator: Any, need: int, hits: Any) -> None:
-    """The count reaches the elastic free queue (vLLM's own queue is told nothing)."""
+    """The coordinator counted `need` blocks for a request, `hits` (its prefix hits, per
+    KV cache group) among them: the elastic free queue's next count is the comparison
+    (vLLM's own queue is told nothing). Sets the queue's fields itself rather than
+    calling a method of it: this runs once per running request per step."""
     queue = coordinator.block_pool.free_block_queue
-    if queue.__class__ is not ElasticFreeQueue:
-        return
-    # vLLM counts each prefix hit that sits in the free queue as a block to allocate, so
-    # a need of zero (most requests at a decode step) has no retained hit to spare
-    queue.expect(need, (hits or ()) if need else ())
+    if queue.__class__ is ElasticFreeQueue:
+        queue._expected = need
+        # vLLM counts each prefix hit that sits in the free queue as a block to
+        # allocate, so a need of zero (most requests at a decode step) spares none
+        queue._expected_hits = (hits or ()) if need else ()
 
 
 def _forwarding(

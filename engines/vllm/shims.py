@@ -469,7 +469,7 @@ CONTACTS: tuple[Contact, ...] = (
         "elastic block pool",
         "overrides",
         "block_pool.py",
-        (f"{_POOL}.get_usage", f"{_POOL}.reset_prefix_cache"),
+        (f"{_POOL}.get_num_free_blocks", f"{_POOL}.get_usage", f"{_POOL}.reset_prefix_cache"),
         _BOTH,
     ),
     *_contacts(
@@ -508,7 +508,6 @@ CONTACTS: tuple[Contact, ...] = (
         "block_pool.py",
         (
             f"{_POOL}._maybe_evict_cached_block",
-            f"{_POOL}.get_num_free_blocks",
             f"{_BLOCK}.reset_hash",
         ),
         _BOTH,
