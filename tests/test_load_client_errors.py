@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from serve_multi_model import Result, _one
+
+httpx = pytest.importorskip("httpx")
 
 CHUNK = b'data: {"choices": [{"text": "x"}]}\n\n'
 

@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from vllm_schedule_cost import importable_tree
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_copied_tree_is_what_kvcached_and_its_engine_adapters_import(tmp_path: Path) -> None:

@@ -19,29 +19,30 @@ between vLLM's blocks and its block ids:
 * `popleft_n` takes fresh blocks from the supply first, so cached prefixes survive
   while memory allows, then the least recently used retained blocks.
 
-Note [A counted block is a taken block]. vLLM's `KVCacheManager.allocate_slots` asks
-its coordinator how many blocks a request needs (`get_num_blocks_to_allocate`),
-compares that with `get_num_free_blocks()` and, if they fit, takes them
-(`get_new_blocks` -> `popleft_n`). Part of the count is the device budget's headroom,
-which another instance can charge between the comparison and the take; it keeps what
-it took, so the take would fail after vLLM had already decided, and the engine would
-die. So the comparison itself takes: the coordinator's count is recorded
-(`_tell_the_queue`, by the shim `counted_for_the_comparison`), and the free-block count
-that follows it *stages* that many fresh blocks from the supply, as many as it can have. When it gets them all, the count
-is what it always was; when it does not, the count is only what is held for sure (the
-retained blocks and the staged ones), below the need, so vLLM returns None and preempts
-or queues, its own answer to a shortage. `popleft_n` serves staged blocks first; blocks
-staged but not taken (the need counted prefix hits, or vLLM declined for its watermark)
-go back at the next comparison, or with the unused memory of an upkeep. A need of
-zero (most running requests at a decode step: their next token fits their blocks) with
-nothing staged is answered by the pool's `get_num_free_blocks` with the retained count
-alone, no upkeep, no supply query: it is on the path vLLM walks once per running
-request per step, where each Python call kvcached adds costs ~0.1 us a request. Between a
-comparison and its take nothing may shrink what was promised: the upkeep that rides on
-the scheduler's calls runs only at a comparison, before its staging, and never evicts
-the request's own prefix hits that the need counted; counts that are not comparisons
-(vLLM's own check inside `get_new_blocks`, statistics) only read, once comparisons are
-seen. A `popleft_n` beyond every promise is vLLM's bug, and fails loudly.
+Note [A counted block is a taken block]. vLLM's `KVCacheManager.allocate_slots` asks its
+coordinator how many blocks a request needs (`get_num_blocks_to_allocate`), compares
+that with `get_num_free_blocks()` and, if they fit, takes them (`get_new_blocks` ->
+`popleft_n`). Part of the count is the device budget's headroom, which another instance
+can charge between the comparison and the take; it keeps what it took, so the take would
+fail after vLLM had already decided, and the engine would die. So the comparison itself
+takes: the coordinator's count is recorded (`_tell_the_queue`, by the shim
+`counted_for_the_comparison`), and the free-block count that follows it *stages* that
+many fresh blocks from the supply, as many as it can have. When it gets them all, the
+count is what it always was; when it does not, the count is only what is held for sure
+(the retained blocks and the staged ones), below the need, so vLLM returns None and
+preempts or queues, its own answer to a shortage. `popleft_n` serves staged blocks
+first; blocks staged but not taken (the need counted prefix hits, or vLLM declined for
+its watermark) go back at the next comparison, or with the unused memory of an upkeep. A
+need of zero (most running requests at a decode step: their next token fits their
+blocks) with nothing staged is answered by the pool's `get_num_free_blocks` with the
+retained count alone, no upkeep, no supply query: it is on the path vLLM walks once per
+running request per step, where each Python call kvcached adds costs ~0.1 us a request.
+Between a comparison and its take nothing may shrink what was promised: the upkeep that
+rides on the scheduler's calls runs only at a comparison, before its staging, and never
+evicts the request's own prefix hits that the need counted; counts that are not
+comparisons (vLLM's own check inside `get_new_blocks`, statistics) only read, once
+comparisons are seen. A `popleft_n` beyond every promise is vLLM's bug, and fails
+loudly.
 
 When retained blocks go back is kvcached's Note [One reclaim policy], the same as the
 SGLang adapter's: over the limit, under budget pressure, or idle for
