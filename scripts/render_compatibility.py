@@ -61,6 +61,8 @@ def _cell(row: dict[str, Any] | None, notes: list[str], label: str) -> str:
     ratio = row.get("throughput_ratio")
     if ratio is not None:
         text += f", {ratio:.2f}x throughput"
+        if row.get("throughput_of") == "last run":
+            text += " (last run)"
     cell_notes = []
     if row["outcome"] != "equal" and row.get("detail"):
         cell_notes.append(str(row["detail"]))
@@ -261,7 +263,9 @@ def render(tables: dict[str, dict[str, Any]]) -> str:
         "message · ⏳ not run here, with the reason. Throughput is tokens/s with kvcached",
         "over without, where measured: one run each, the engine alone first (kernels compiled",
         "on first use are then cached for the second run), so a rough figure, not an overhead",
-        "measurement; `benchmarks/vllm_overhead.py` and `benchmarks/sglang_overhead.py`",
+        "measurement; *(last run)*: of the batch's last run on each side, after a first run",
+        "that compiled what it needed; `benchmarks/vllm_overhead.py` and",
+        "`benchmarks/sglang_overhead.py`",
         "measure that side by side. *Corruption caught*: after its clean runs the kvcached",
         "engine ran the batch once more with the held KV blocks swapped (vLLM: midway",
         "through the decode; SGLang: the radix cache's pages, while idle), as a wrongly",
