@@ -84,6 +84,18 @@ block is handed out of them any more, and each is released when its last block i
 freed. A page in use is never unmapped, so a shrink waits for the engine to free its
 blocks (`set_limit(..., wait=True)`). `alloc` answers None when the limit, the account
 or the device cannot supply the blocks, so the engine can preempt and retry.
+
+Note [An in-flight page is counted once]. `obtainable_blocks` adds the free blocks of
+mapped pages to what the budget's headroom still allows to map, and reads the headroom
+(an account call) outside the lock. A page claimed for growth is charged to the account
+outside the lock too, a moment after its claim. Counted among the free blocks from its
+claim on, a page whose charge lands between the headroom's read and the lock would be
+counted twice: in the headroom read before the charge, and as free blocks (under a load
+that interleaved the pool thread so, an SGLang instance's free count promised one page
+id more than its budget held, 2026-12-05). So an in-flight page counts as free blocks
+only once its charge has landed (until then its bytes are in the headroom), and a count
+reads the headroom again when a charge landed or was refunded while it read it
+(`_charge_changes`); one that keeps racing leaves the in-flight pages out.
 """
 
 from __future__ import annotations
@@ -108,6 +120,10 @@ from kvcached.lifetime import Closeable
 from kvcached.page_book import Extent, PageBook
 
 log = logging.getLogger("kvcached.allocator")
+
+#: How many times `obtainable_blocks` reads the headroom while charges keep landing
+#: (Note [An in-flight page is counted once]).
+COUNT_TRIES = 3
 
 #: After the pool could not be refilled (limit, budget or device full), the background
 #: thread waits this long before it tries again (an alloc that needs memory still tries).
@@ -389,6 +405,10 @@ class PageAllocator(Closeable):
         self._releasing = 0  # part of _reserved being unmapped and refunded
         self._inflight = 0  # bytes claimed by growth not yet committed
         self._inflight_pages = 0
+        # Note [An in-flight page is counted once]: of the in-flight pages, those whose
+        # charge has landed in the account, and how many times that number changed
+        self._charged_inflight_pages = 0
+        self._charge_changes = 0
         self._floor = 0
         self._demand = 0  # blocks asked for by allocs that are growing the pool
         self._refill_failed_at = -float("inf")
@@ -628,6 +648,7 @@ class PageAllocator(Closeable):
                 try:
                     self.account.refund(self._extent_bytes(extent))
                 finally:
+                    self._charged(-npages)
                     with self._lock:
                         self._unclaim(start, npages)
                 return 0
@@ -644,6 +665,7 @@ class PageAllocator(Closeable):
         nbytes = npages * self._page_id_bytes
         if not self.account.try_charge(nbytes):
             return None
+        self._charged(npages)
         size = npages * self._page_bytes
         at = start * self._page_bytes
         backend = self.backend
@@ -666,10 +688,17 @@ class PageAllocator(Closeable):
                     backend.release(page)
             finally:
                 self.account.refund(nbytes)
+                self._charged(-npages)
             if isinstance(exc, OutOfMemory):
                 return None
             raise
         return pages
+
+    def _charged(self, npages: int) -> None:
+        """The account charged (or, negative, refunded) `npages` in-flight page ids."""
+        with self._lock:
+            self._charged_inflight_pages += npages
+            self._charge_changes += 1
 
     def _commit(self, start: int, npages: int, pages: list[Page]) -> bool:
         """Under the lock: turn claimed, mapped page ids into a usable extent (False,
@@ -679,6 +708,7 @@ class PageAllocator(Closeable):
         nbytes = npages * self._page_id_bytes
         self._inflight -= nbytes
         self._inflight_pages -= npages
+        self._charged_inflight_pages -= npages  # now in the book, as free blocks
         self._reserved += nbytes
         self._cond.notify_all()
         self._book.add_extent(Extent(start, npages, pages))
@@ -1042,29 +1072,43 @@ class PageAllocator(Closeable):
         return order
 
     def obtainable_blocks(self) -> int:
-        """Blocks `alloc` could hand out right now: the free blocks of mapped pages,
-        growth in flight, and what the limit, the device budget (the
-        account's `headroom`) and the virtual range still allow to be mapped. An
+        """Blocks `alloc` could hand out right now: the free blocks of mapped pages and
+        of growth in flight (once charged: Note [An in-flight page is counted once]),
+        and what the limit, the device budget (the account's `headroom`) and the
+        virtual range still allow to be mapped. An
         engine's free-block count follows this, so that running short of memory
         becomes the engine's own preemption instead of a failed allocation. It is a
         snapshot: another instance may take the budget's headroom a moment later."""
         limit = self._limit_now()
-        budget_room = self.account.headroom()
-        with self._lock:
-            if self._closed:
-                return 0
-            room = limit - self._committed()
-            mapped = self._mapped_free()
-            if room < 0:
-                # over a limit lowered under what is mapped (pages the pool thread mapped
-                # ahead, say): the excess goes back, so its blocks are not promised
-                excess_pages = -(room // self._page_id_bytes)  # rounded up
-                return max(0, mapped - excess_pages * self._bpp)
-            if budget_room is not None:
-                room = min(room, budget_room)
-            unmapped = self._book.unmapped_pages()
-            growable = max(0, min(room // self._page_id_bytes, unmapped))
-            return mapped + growable * self._bpp
+        for attempt in range(COUNT_TRIES):
+            with self._lock:
+                changes = self._charge_changes
+            budget_room = self.account.headroom()
+            with self._lock:
+                if self._closed:
+                    return 0
+                if self._charge_changes == changes:
+                    mapped = self._book.available + self._charged_inflight_pages * self._bpp
+                elif attempt + 1 < COUNT_TRIES:
+                    continue  # a charge landed while the headroom was read: read again
+                else:
+                    mapped = self._book.available  # still racing: leave in-flight pages out
+                return self._obtainable(limit, budget_room, mapped)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def _obtainable(self, limit: int, budget_room: int | None, mapped: int) -> int:
+        """Under the lock: `obtainable_blocks`, given the free blocks it may count."""
+        room = limit - self._committed()
+        if room < 0:
+            # over a limit lowered under what is mapped (pages the pool thread mapped
+            # ahead, say): the excess goes back, so its blocks are not promised
+            excess_pages = -(room // self._page_id_bytes)  # rounded up
+            return max(0, mapped - excess_pages * self._bpp)
+        if budget_room is not None:
+            room = min(room, budget_room)
+        unmapped = self._book.unmapped_pages()
+        growable = max(0, min(room // self._page_id_bytes, unmapped))
+        return mapped + growable * self._bpp
 
     def stats(self) -> AllocatorStats:
         with self._lock:

@@ -465,6 +465,38 @@ def test_the_obtainable_count_stops_at_the_device_budgets_headroom(group: KVGrou
         assert alloc.obtainable_blocks() == 3 * BPP
 
 
+class GrowsWhileAsked(HeadroomAccount):
+    """Reads its headroom, then lets `during` run before answering: another thread's
+    growth charging the account while the count reads it (Note [An in-flight page is
+    counted once])."""
+
+    during: Any = None
+
+    def headroom(self) -> int:
+        room = super().headroom()
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        return room
+
+
+def test_a_page_charged_while_the_count_reads_the_headroom_is_counted_once(
+    group: KVGroup,
+) -> None:
+    budget = LocalBudget(total=4 * PAGE_ID)
+    account = GrowsWhileAsked(budget=budget)
+    with make(group, account=account) as alloc:
+        assert alloc.alloc(BPP) is not None  # page id 0, full: three page ids of room
+        assert alloc.obtainable_blocks() == 3 * BPP
+        # as the pool thread maps ahead: one page id claimed, charged and mapped while
+        # the count holds a headroom read before its charge
+        account.during = lambda: alloc._grow(1, alloc._limit_now(), ahead=True)
+        assert alloc.obtainable_blocks() == 3 * BPP  # not 4: that page id is one of three
+        assert alloc.reserved_bytes == 2 * PAGE_ID
+        got = alloc.alloc(3 * BPP)
+        assert got is not None and alloc.alloc_one() is None  # the count was exact
+
+
 def test_the_account_limit_is_followed_at_runtime(group: KVGroup) -> None:
     account = LocalAccount()
     alloc = make(group, account=account, background=True, poll_interval=0.01)
