@@ -645,10 +645,10 @@ class PageAllocator(Closeable):
                     return npages
                 extent = Extent(start, npages, pages)  # closed meanwhile: undo
                 self._destroy(extent)
+                self._charged(-npages)
                 try:
                     self.account.refund(self._extent_bytes(extent))
                 finally:
-                    self._charged(-npages)
                     with self._lock:
                         self._unclaim(start, npages)
                 return 0
@@ -687,8 +687,8 @@ class PageAllocator(Closeable):
                 for page in pages:
                     backend.release(page)
             finally:
+                self._charged(-npages)  # first: a refund that raises leaves no page counted
                 self.account.refund(nbytes)
-                self._charged(-npages)
             if isinstance(exc, OutOfMemory):
                 return None
             raise
