@@ -204,6 +204,19 @@ def _fake_row(name: str, work: Path, **kwargs: Any) -> dict[str, Any]:
     return {"architecture": name, "outcome": "equal", "detail": "now", "throughput_ratio": 1.0}
 
 
+def _runs_then_corrupted(
+    runs: list[list[list[int]]], *, kvcached: bool, **fields: Any
+) -> dict[str, Any]:
+    """What tests/sglang_engine/generate.py reports for a row: the clean runs and, on
+    the kvcached side, the corrupted run that changed the second prompt's tokens."""
+    result = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
+              "distinct_tokens": 40, "tokens_per_s": 100.0, "seconds": 100.0, **fields}  # fmt: skip
+    if kvcached:
+        result |= {"corrupted_run": [[5, 6], [9, 9]], "corrupted_blocks": 40,
+                   "corrupted_at_step": 0, "corrupted_after_tokens": 0}  # fmt: skip
+    return result
+
+
 def test_one_kvcached_run_gives_both_the_equality_and_its_corrupted_counterpart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,12 +229,7 @@ def test_one_kvcached_run_gives_both_the_equality_and_its_corrupted_counterpart(
 
     def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
         started.append(tuple(kwargs["batch"]))
-        result = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
-                  "distinct_tokens": 40, "tokens_per_s": 100.0, "seconds": 100.0}  # fmt: skip
-        if kwargs["kvcached"]:
-            result |= {"corrupted_run": [[5, 6], [9, 9]], "corrupted_blocks": 40,
-                       "corrupted_at_step": 0, "corrupted_after_tokens": 0}  # fmt: skip
-        return result
+        return _runs_then_corrupted(runs, kvcached=kwargs["kvcached"])
 
     monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
     monkeypatch.setattr(harness, "run_engine", fake_run)
@@ -593,13 +601,10 @@ def test_the_throughput_ratio_is_the_last_runs_when_both_sides_ran_the_batch_twi
 
     def fake_run(model: Path, ledger: Path, **kwargs: Any) -> dict[str, Any]:
         first, last = (90.0, 99.0) if kwargs["kvcached"] else (10.0, 100.0)
-        result = {"ok": True, "runs": runs, "cached_prompt_tokens": [0, 2300],
-                  "distinct_tokens": 40, "tokens_per_s": (first + last) / 2,
-                  "run_tokens_per_s": [first, last], "seconds": 100.0}  # fmt: skip
-        if kwargs["kvcached"]:
-            result |= {"corrupted_run": [[5, 6], [9, 9]], "corrupted_blocks": 40,
-                       "corrupted_at_step": 0, "corrupted_after_tokens": 0}  # fmt: skip
-        return result
+        return _runs_then_corrupted(
+            runs, kvcached=kwargs["kvcached"], tokens_per_s=(first + last) / 2,
+            run_tokens_per_s=[first, last],
+        )  # fmt: skip
 
     monkeypatch.setattr(random_arch, "make_arch_model", lambda folder, *a, **k: folder)
     monkeypatch.setattr(harness, "run_engine", fake_run)
