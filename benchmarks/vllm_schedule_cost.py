@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 # benchmarks/, on sys.path as this script's folder
-from paired_ratios import bootstrap_median_interval, verdict
+from paired_ratios import verdict
 
 
 def child(a: argparse.Namespace) -> None:
@@ -235,12 +235,11 @@ def compare_trees(
     for side in later:  # first / later: above 1.0 is the later tree faster (no target:
         # between two trees only the interval's side of 1.0 says anything)
         ratios = [x / y for x, y in zip(medians[first], medians[side], strict=True)]
-        low, high = bootstrap_median_interval(ratios)
+        paired = verdict(ratios)
         summary[f"{first}_over_{side}"] = {
-            "paired_ratios": [round(x, 4) for x in ratios], "pairs": len(ratios),
-            "paired_ratio_median": round(statistics.median(ratios), 4),
-            "paired_ratio_ci95": [round(low, 4), round(high, 4)],
-        }  # fmt: skip
+            "paired_ratios": [round(x, 4) for x in ratios],
+            **{key: paired[key] for key in ("pairs", "paired_ratio_median", "paired_ratio_ci95")},
+        }
     keep(summary)
 
 

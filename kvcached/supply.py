@@ -41,20 +41,20 @@ order, the same for every engine:
    draws on it (or another pool of this one, which its stock may starve): unused blocks
    and cached blocks worth `PRESSURE_SHARE` of what the instance holds (at least one
    page id). An instance alone on its budget holds all of it, and what it would give
-   back only comes back to it. A saturated SGLang server alone on its budget handed
-   its stock back every half second, each time waiting for the GPU to read the
-   stock's ids and, where whole page ids were free, again to unmap them, then
-   creating and mapping the same pages anew (on the H100 of 2026-12-05 it served 0.83
-   of SGLang alone's tokens/s at 128 req/s in the one pair that ran,
-   benchmarks/results/h100-2026-12-05b/; what this rule cost there is not measured
-   apart). At most every `PRESSURE_EVERY_S`, so that a busy instance gives back
-   steadily rather than flushing in one go a cache it may need again soon. The share,
-   not a fixed amount, because the rate at which memory must come back grows with the
-   memory held: on the H200, four vLLM engines sharing 8 GiB with vLLM's prefix cache
-   on gave back one page id (56 MiB) per turn, while a burst on one of them needed
-   about a GiB within a second; it queued for seconds (p99 TTFT 8.4 s against 0.64 s
-   for a static split, benchmarks/results/h200-2026-12-02/serve-prefix-cache-on/).
-   Checked busy or idle.
+   back only comes back to it. A saturated SGLang server alone on its budget handed its
+   stock back every half second, each time waiting for the GPU to read the stock's ids
+   and, where whole page ids were free, again to unmap them, then creating and mapping
+   the same pages anew (on an H100 at 128 req/s it served 0.83 of SGLang alone's
+   tokens/s in the one pair before this rule, benchmarks/results/h100-2026-12-05b/, and
+   1.16 and 1.10 in two pairs after it on another H100, h100-2026-12-05c/; what the rule
+   is worth is not measured apart from the machines' difference). At most every
+   `PRESSURE_EVERY_S`, so that a busy instance gives back steadily rather than flushing
+   in one go a cache it may need again soon. The share, not a fixed amount, because the
+   rate at which memory must come back grows with the memory held: on the H200, four
+   vLLM engines sharing 8 GiB with vLLM's prefix cache on gave back one page id (56 MiB)
+   per turn, while a burst on one of them needed about a GiB within a second; it queued
+   for seconds (p99 TTFT 8.4 s against 0.64 s for a static split,
+   benchmarks/results/h200-2026-12-02/serve-prefix-cache-on/). Checked busy or idle.
 3. `idle`: no request has held memory for KVCACHED_CACHE_IDLE_EVICT seconds: every
    unused and cached block. Once per idle period (the engine's next request starts a
    new one). Checked only while the engine is idle, so that a request arriving after a

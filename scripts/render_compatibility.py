@@ -156,11 +156,9 @@ def _per_architecture(tables: dict[str, dict[str, Any]]) -> list[str]:
         "| architecture | " + " | ".join(tables[key]["label"] for key in gpu) + " |",
         "|---|" + "---|" * len(gpu),
     ]
+    columns = [{row["architecture"]: row for row in tables[key]["rows"]} for key in gpu]
     for name in ARCHITECTURES:
-        cells = []
-        for key in gpu:
-            by_name = {row["architecture"]: row for row in tables[key]["rows"]}
-            cells.append(_matrix_ratio(by_name.get(name)))
+        cells = [_matrix_ratio(column.get(name)) for column in columns]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines
 
