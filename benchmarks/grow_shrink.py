@@ -7,6 +7,9 @@ through the public API of `kvcached.allocator.PageAllocator`:
   per extent size (2 MiB is one handle per page id per buffer, the no-extent baseline);
 * ``grow``/``shrink`` via ``alloc``: the same driven by an engine's demand: ``alloc`` of
   N GiB of blocks from a cold pool, then ``free`` and ``trim``;
+* ``grow``/``shrink`` via ``driver``: the same number of handles as one growth step
+  (one per segment) made and mapped, then unmapped and released, by the raw driver
+  calls alone: the floor kvcached's figures stand on, in the same run;
 * ``handoff``: ms from the moment instance A frees its last block to the moment instance
   B can charge those bytes to its own account (A's pool thread releases the emptied
   extent and refunds it). The accounts come from `kvcached.ledger` when it provides
@@ -33,6 +36,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from vmm_ops import RAW_DRIVERS  # benchmarks/, this script's folder
 
 import kvcached
 from kvcached.accounting import BudgetAccount
@@ -108,6 +113,35 @@ def bench_alloc(backend: Backend, group: KVGroup, extent_mib: int, gib: float, r
         assert account.charged == 0
     alloc.close()
     report(common, "alloc", extent_mib, grown, handles, grow, shrink)
+
+
+def bench_driver(backend: Backend, group: KVGroup, extent_mib: int, rounds: int,
+                 common: dict[str, Any]) -> None:  # fmt: skip
+    """The driver's own floor for one growth step of this model: one handle of
+    `extent_mib` per segment, created and mapped (with access granted) by the raw driver
+    calls `vmm_ops.py` times, then unmapped and released; no kvcached code between."""
+    raw = RAW_DRIVERS[backend.name](backend)
+    size, handles = extent_mib * MiB, len(group.segments)
+    grow, shrink = [], []
+    for _ in range(rounds):
+        base = raw.reserve(size * handles, backend.granularity)
+        made: list[Any] = []
+
+        def build(base: int = base, made: list[Any] = made) -> None:
+            for i in range(handles):
+                made.append(raw.create(size))
+                raw.map(base + i * size, size, made[i])
+
+        def tear_down(base: int = base, made: list[Any] = made) -> None:
+            backend.synchronize()  # as the allocator's release does
+            for i in range(handles):
+                raw.unmap(base + i * size, size)
+                raw.release(made[i], size)
+
+        grow.append(timed(build)[0])
+        shrink.append(timed(tear_down)[0])
+        raw.free(base, size * handles)
+    report(common, "driver", extent_mib, size * handles, handles, grow, shrink)
 
 
 def report(common: dict[str, Any], via: str, extent_mib: int, nbytes: int, handles: int,
@@ -197,6 +231,8 @@ def main() -> None:
         for gib in sizes:
             bench_resize(backend, group, extent_mib, gib, args.rounds, common)
             bench_alloc(backend, group, extent_mib, gib, args.rounds, common)
+        if backend.name in RAW_DRIVERS:
+            bench_driver(backend, group, extent_mib, args.rounds, common)
     for extent_mib in extents[-1:]:
         for delay in (0.0, 1.0):
             bench_handoff(group, extent_mib, args.handoff_rounds, delay, common)

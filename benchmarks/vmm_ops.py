@@ -9,10 +9,14 @@ and rounds. Prints one JSON object per line:
     {"bench": "vmm_ops", "backend": "cuda", "page_mib": 2, "op": "map",
      "kvcached_us": 41.2, "raw_us": 40.1, "ratio": 1.027, ...}
 
-plus a `map+unmap` row per size (the figure the overhead target is about) and
-`map_many` / `unmap_many` / `batch map+unmap` rows: our batch forms, one call for all
-pages of a round (set-access once per contiguous run), against the same raw per-page
-calls.
+plus a `map+unmap` row per size (the figure the overhead target is about, with the
+median of its per-page ratios, a bootstrap 95 % interval and the verdict against 1.05)
+and `map_many` / `unmap_many` / `batch map+unmap` rows: our batch forms, one call for
+all pages of a round (set-access once per contiguous run), against the same raw
+per-page calls. Each size also gets `"control": "raw vs raw"` rows: the raw calls
+paired against themselves exactly as they are paired against kvcached, on two ranges.
+A control ratio away from 1.0 is what the pairing itself reads (the address range, the
+order), and the kvcached rows are only as exact as it is.
 
     python benchmarks/vmm_ops.py [--backend cuda|host] [--rounds 7] [--pages 64]
 """
@@ -20,17 +24,23 @@ calls.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from paired_ratios import bootstrap_median_interval  # benchmarks/, this script's folder
+
 import kvcached
 from kvcached.backend import Backend
 
 MiB = 1 << 20
 OPS = ("create", "map", "unmap", "release")
+TARGET = 1.05  # map+unmap through kvcached over the raw calls (issue 22)
+RESAMPLES = 2000  # a few hundred pages a row: enough for a stable 95 % interval
+INTERVAL_OPS = ("map", "unmap", "map+unmap")
 
 
 class RawCuda:
@@ -158,56 +168,102 @@ def _timed(fn: Callable[[], None]) -> float:
     return (time.perf_counter_ns() - start) / 1e3
 
 
+class KvcachedSide:
+    """One page's ops through kvcached's public Backend API, on a reservation of its own."""
+
+    def __init__(self, backend: Backend, size: int, pages: int) -> None:
+        self.backend, self.size = backend, size
+        self.reservation = backend.reserve(size * pages)
+        self.made: list[Any] = [None] * pages
+
+    def create(self, i: int) -> None:
+        self.made[i] = self.backend.create(self.size)
+
+    def map(self, i: int) -> None:
+        self.backend.map(self.reservation, i * self.size, self.made[i])
+
+    def unmap(self, i: int) -> None:
+        self.backend.unmap(self.reservation, i * self.size, self.size)
+
+    def release(self, i: int) -> None:
+        self.backend.release(self.made[i])
+
+    def free(self) -> None:
+        self.backend.free(self.reservation)
+
+
+class RawSide:
+    """The same ops as direct driver calls, on an address range of its own."""
+
+    def __init__(self, raw: Any, granularity: int, size: int, pages: int) -> None:
+        self.raw, self.size, self.nbytes = raw, size, size * pages
+        self.base = raw.reserve(self.nbytes, granularity)
+        self.handles: list[Any] = [None] * pages
+
+    def create(self, i: int) -> None:
+        self.handles[i] = self.raw.create(self.size)
+
+    def map(self, i: int) -> None:
+        self.raw.map(self.base + i * self.size, self.size, self.handles[i])
+
+    def unmap(self, i: int) -> None:
+        self.raw.unmap(self.base + i * self.size, self.size)
+
+    def release(self, i: int) -> None:
+        self.raw.release(self.handles[i], self.size)
+
+    def free(self) -> None:
+        self.raw.free(self.base, self.nbytes)
+
+
+Side = KvcachedSide | RawSide
+
+
 def paired_round(
-    backend: Backend, raw: Any, size: int, pages: int, flip: bool
+    make_a: Callable[[int], Side], make_b: Callable[[int], Side], pages: int, flip: bool
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per page and op, (kvcached µs, raw µs) measured back to back: each page's op runs
-    through kvcached and through the raw driver one right after the other (which goes
-    first alternates by page and round), so machine drift hits both sides alike."""
-    g = backend.granularity
-    reservation = backend.reserve(size * pages)
-    base = raw.reserve(size * pages, g)
-    made: list[Any] = [None] * pages
-    handles: list[Any] = [None] * pages
-    ops: dict[str, tuple[Callable[[int], Any], Callable[[int], Any]]] = {
-        "create": (
-            lambda i: made.__setitem__(i, backend.create(size)),
-            lambda i: handles.__setitem__(i, raw.create(size)),
-        ),
-        "map": (
-            lambda i: backend.map(reservation, i * size, made[i]),
-            lambda i: raw.map(base + i * size, size, handles[i]),
-        ),
-        "unmap": (
-            lambda i: backend.unmap(reservation, i * size, size),
-            lambda i: raw.unmap(base + i * size, size),
-        ),
-        "release": (
-            lambda i: backend.release(made[i]),
-            lambda i: raw.release(handles[i], size),
-        ),
-    }
-    samples: dict[str, list[tuple[float, float]]] = {op: [] for op in ops}
+    """Per page and op, (side a µs, side b µs) measured back to back: each page's op runs
+    on one side and then the other (which goes first alternates by page and round), so
+    machine drift hits both alike. Which side reserves its range first alternates by
+    round too, so neither keeps the lower (or the fresher) addresses."""
+    if flip:
+        b = make_b(pages)
+        a = make_a(pages)
+    else:
+        a = make_a(pages)
+        b = make_b(pages)
+    samples: dict[str, list[tuple[float, float]]] = {op: [] for op in OPS}
     clock = time.perf_counter_ns
-    for op, (ours, theirs) in ops.items():
+    for op in OPS:
+        first, second = getattr(a, op), getattr(b, op)
         for i in range(pages):
             if (i % 2 == 0) != flip:
                 t0 = clock()
-                ours(i)
+                first(i)
                 t1 = clock()
-                theirs(i)
+                second(i)
                 t2 = clock()
                 samples[op].append(((t1 - t0) / 1e3, (t2 - t1) / 1e3))
             else:
                 t0 = clock()
-                theirs(i)
+                second(i)
                 t1 = clock()
-                ours(i)
+                first(i)
                 t2 = clock()
                 samples[op].append(((t2 - t1) / 1e3, (t1 - t0) / 1e3))
-    backend.free(reservation)
-    raw.free(base, size * pages)
+    a.free()
+    b.free()
     return samples
+
+
+def pair_interval(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """The median of the per-page ratios a / b and its bootstrap 95 % interval."""
+    ratios = [x / y for x, y in pairs if y > 0]
+    low, high = bootstrap_median_interval(ratios, resamples=RESAMPLES)
+    return {
+        "paired_ratio_median": round(statistics.median(ratios), 4),
+        "paired_ratio_ci95": [round(low, 4), round(high, 4)],
+    }
 
 
 def batch_round(backend: Backend, size: int, pages: int) -> dict[str, float]:
@@ -228,6 +284,20 @@ def batch_round(backend: Backend, size: int, pages: int) -> dict[str, float]:
     return {op: us / pages for op, us in totals.items()}
 
 
+def _with_sum(samples: dict[str, list[tuple[float, float]]]) -> None:
+    samples["map+unmap"] = [
+        (m[0] + u[0], m[1] + u[1]) for m, u in zip(samples["map"], samples["unmap"], strict=True)
+    ]
+
+
+def _target_verdict(low: float, high: float) -> str:
+    if high <= TARGET:
+        return "met"
+    if low > TARGET:
+        return "missed"
+    return "undecided"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=None, help="default: auto-detected")
@@ -246,18 +316,26 @@ def main() -> None:
         if size % g:
             continue
         pages = args.pages
-        paired_round(backend, raw, size, 8, False)  # warm-up both paths
+
+        ours = functools.partial(KvcachedSide, backend, size)
+        theirs = functools.partial(RawSide, raw, g, size)
+
+        paired_round(ours, theirs, 8, False)  # warm-up both paths
         samples: dict[str, list[tuple[float, float]]] = {}
+        control: dict[str, list[tuple[float, float]]] = {}
         batches: dict[str, list[float]] = {}
         for round_ in range(args.rounds):
-            for op, pairs in paired_round(backend, raw, size, pages, round_ % 2 == 1).items():
+            flip = round_ % 2 == 1
+            for op, pairs in paired_round(ours, theirs, pages, flip).items():
                 samples.setdefault(op, []).extend(pairs)
+            # the control: the raw calls against themselves, made the same way, shows
+            # what the pairing reads when both sides run the same code
+            for op, pairs in paired_round(theirs, theirs, pages, flip).items():
+                control.setdefault(op, []).extend(pairs)
             for op, us in batch_round(backend, size, pages).items():
                 batches.setdefault(op, []).append(us)
-        samples["map+unmap"] = [
-            (m[0] + u[0], m[1] + u[1])
-            for m, u in zip(samples["map"], samples["unmap"], strict=True)
-        ]
+        _with_sum(samples)
+        _with_sum(control)
         rows = {op: [a for a, _ in pairs] for op, pairs in samples.items()}
         raws = {op: [b for _, b in pairs] for op, pairs in samples.items()}
         rows.update(batches)
@@ -266,26 +344,45 @@ def main() -> None:
         ]
         raws["map_many"], raws["unmap_many"] = raws["map"], raws["unmap"]
         raws["batch map+unmap"] = raws["map+unmap"]
+        common = {
+            "bench": "vmm_ops",
+            "backend": backend.name,
+            "device": backend.device,
+            "page_mib": size_mib,
+        }
         for op in (*OPS, "map+unmap", "map_many", "unmap_many", "batch map+unmap"):
-            mine, theirs = statistics.median(rows[op]), statistics.median(raws[op])
-            print(
-                json.dumps(
-                    {
-                        "bench": "vmm_ops",
-                        "backend": backend.name,
-                        "device": backend.device,
-                        "page_mib": size_mib,
-                        "op": op,
-                        "kvcached_us": round(mine, 2),
-                        "raw_us": round(theirs, 2),
-                        "ratio": round(mine / theirs, 3) if theirs else None,
-                        "samples": len(rows[op]),
-                        "pages": pages,
-                        "rounds": args.rounds,
-                    }
-                ),
-                flush=True,
-            )
+            mine, theirs_us = statistics.median(rows[op]), statistics.median(raws[op])
+            row: dict[str, Any] = {
+                **common,
+                "op": op,
+                "kvcached_us": round(mine, 2),
+                "raw_us": round(theirs_us, 2),
+                "ratio": round(mine / theirs_us, 3) if theirs_us else None,
+                "samples": len(rows[op]),
+                "pages": pages,
+                "rounds": args.rounds,
+            }
+            if op in INTERVAL_OPS:
+                row.update(pair_interval(samples[op]))
+            if op == "map+unmap":
+                low, high = row["paired_ratio_ci95"]
+                row["target"] = f"paired ratio's 95 % interval <= {TARGET}"
+                row["verdict"] = _target_verdict(low, high)
+            print(json.dumps(row), flush=True)
+        for op in INTERVAL_OPS:
+            a = statistics.median(x for x, _ in control[op])
+            b = statistics.median(y for _, y in control[op])
+            line = {
+                **common,
+                "op": op,
+                "control": "raw vs raw",
+                "a_us": round(a, 2),
+                "b_us": round(b, 2),
+                "ratio": round(a / b, 3) if b else None,
+                "samples": len(control[op]),
+                **pair_interval(control[op]),
+            }
+            print(json.dumps(line), flush=True)
     backend.close()
 
 

@@ -68,7 +68,9 @@ def _table(header: list[str], body: list[list[Any]]) -> list[str]:
 
 # ---------------------------------------------------------------------------- tables
 def _vmm_ops(files: dict[str, Rows]) -> list[str]:
-    (rows,) = files.values()
+    (everything,) = files.values()
+    rows = [row for row in everything if "control" not in row]
+    controls = [row for row in everything if "control" in row]
     sizes = sorted({row["page_mib"] for row in rows})
     ops = list(dict.fromkeys(row["op"] for row in rows))
     body = []
@@ -78,7 +80,28 @@ def _vmm_ops(files: dict[str, Rows]) -> list[str]:
             (row,) = (r for r in rows if r["op"] == op and r["page_mib"] == size)
             cells.append(f"{_g(row['kvcached_us'])} vs {_g(row['raw_us'])} ({_g(row['ratio'])}x)")
         body.append(cells)
-    return _table(["µs: kvcached vs raw driver", *(f"{s} MiB page" for s in sizes)], body)
+    lines = _table(["µs: kvcached vs raw driver", *(f"{s} MiB page" for s in sizes)], body)
+    paired = [r for r in rows if "paired_ratio_median" in r]
+    if not paired:
+        return lines
+    lines += ["", "The same pairs page by page: the median of the per-page ratios with its "
+              "bootstrap 95 % interval, then the raw calls paired against themselves the "
+              "same way (the control: what the pairing reads when both sides run the same "
+              "code)."]  # fmt: skip
+    body = []
+    for op in INTERVAL_OPS:
+        for kind, source in (("kvcached / raw", paired), ("control: raw / raw", controls)):
+            cells = [f"`{op}`", kind]
+            for size in sizes:
+                (row,) = (r for r in source if r["op"] == op and r["page_mib"] == size)
+                low, high = row["paired_ratio_ci95"]
+                verdict = f" {row['verdict']}" if "verdict" in row else ""
+                cells.append(f"{_g(row['paired_ratio_median'])} [{_g(low)}, {_g(high)}]{verdict}")
+            body.append(cells)
+    return [*lines, "", *_table(["op", "pairs", *(f"{s} MiB page" for s in sizes)], body)]
+
+
+INTERVAL_OPS = ("map", "unmap", "map+unmap")
 
 
 def _grow_shrink(files: dict[str, Rows]) -> list[str]:
