@@ -57,9 +57,7 @@ def deviceless_cuda_backend(granularity: int = 2 * MiB) -> CudaBackend:
     backend._success = SUCCESS
     backend._no_context = -1  # never returned by the stand-ins
     backend._access = [object()]
-    backend._cu_mem_map = _cu_mem_map
-    backend._cu_mem_set_access = _cu_mem_set_access
-    backend._cu_mem_unmap = _cu_mem_unmap
+    backend._bind_per_page_calls(_cu_mem_map, _cu_mem_set_access, _cu_mem_unmap)
     return backend
 
 
