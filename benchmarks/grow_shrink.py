@@ -7,9 +7,10 @@ through the public API of `kvcached.allocator.PageAllocator`:
   per extent size (2 MiB is one handle per page id per buffer, the no-extent baseline);
 * ``grow``/``shrink`` via ``alloc``: the same driven by an engine's demand: ``alloc`` of
   N GiB of blocks from a cold pool, then ``free`` and ``trim``;
-* ``grow``/``shrink`` via ``driver``: the same number of handles as one growth step
-  (one per segment) made and mapped, then unmapped and released, by the raw driver
-  calls alone: the floor kvcached's figures stand on, in the same run;
+* ``grow``/``shrink`` via ``driver`` and ``driver in place``: the same number of
+  handles as one growth step (one per segment) made and mapped, then unmapped and
+  released, by the raw driver calls alone, in a range of their own and where the
+  allocator puts them: the floor kvcached's figures stand on, in the same run;
 * ``handoff``: ms from the moment instance A frees its last block to the moment instance
   B can charge those bytes to its own account (A's pool thread releases the emptied
   extent and refunds it). The accounts come from `kvcached.ledger` when it provides
@@ -119,29 +120,51 @@ def bench_driver(backend: Backend, group: KVGroup, extent_mib: int, rounds: int,
                  common: dict[str, Any]) -> None:  # fmt: skip
     """The driver's own floor for one growth step of this model: one handle of
     `extent_mib` per segment, created and mapped (with access granted) by the raw driver
-    calls `vmm_ops.py` times, then unmapped and released; no kvcached code between."""
+    calls `vmm_ops.py` times, then unmapped and released; no kvcached code between.
+
+    Twice: ``driver`` maps the handles side by side in one range of its own, and
+    ``driver in place`` where the allocator maps them, at the start of each segment in
+    the layout's per-layer reservations (all created first, then mapped reservation by
+    reservation, as `PageAllocator._build` does), so that a difference between the two
+    is the placement's, and what is left between the second and the allocator's rows is
+    kvcached's."""
     raw = RAW_DRIVERS[backend.name](backend)
-    size, handles = extent_mib * MiB, len(group.segments)
-    grow, shrink = [], []
-    for _ in range(rounds):
-        base = raw.reserve(size * handles, backend.granularity)
-        made: list[Any] = []
+    size = extent_mib * MiB
+    handles = len(group.segments)
+    in_place = [reservation.address + offset
+                for reservation, offsets in group.reservations for offset in offsets]  # fmt: skip
+    for via in ("driver", "driver in place"):
+        grow, shrink = [], []
+        for _ in range(rounds):
+            if via == "driver":
+                base = raw.reserve(size * handles, backend.granularity)
+                addresses = [base + i * size for i in range(handles)]
+            else:
+                addresses = in_place
+            made: list[Any] = []
 
-        def build(base: int = base, made: list[Any] = made) -> None:
-            for i in range(handles):
-                made.append(raw.create(size))
-                raw.map(base + i * size, size, made[i])
+            def build(addresses: list[int] = addresses, made: list[Any] = made,
+                      together: bool = via == "driver") -> None:  # fmt: skip
+                if together:  # create and map handle by handle
+                    for address in addresses:
+                        made.append(raw.create(size))
+                        raw.map(address, size, made[-1])
+                    return
+                made.extend(raw.create(size) for _ in addresses)
+                for address, handle in zip(addresses, made, strict=True):
+                    raw.map(address, size, handle)
 
-        def tear_down(base: int = base, made: list[Any] = made) -> None:
-            backend.synchronize()  # as the allocator's release does
-            for i in range(handles):
-                raw.unmap(base + i * size, size)
-                raw.release(made[i], size)
+            def tear_down(addresses: list[int] = addresses, made: list[Any] = made) -> None:
+                backend.synchronize()  # as the allocator's release does
+                for address, handle in zip(addresses, made, strict=True):
+                    raw.unmap(address, size)
+                    raw.release(handle, size)
 
-        grow.append(timed(build)[0])
-        shrink.append(timed(tear_down)[0])
-        raw.free(base, size * handles)
-    report(common, "driver", extent_mib, size * handles, handles, grow, shrink)
+            grow.append(timed(build)[0])
+            shrink.append(timed(tear_down)[0])
+            if via == "driver":
+                raw.free(addresses[0], size * handles)
+        report(common, via, extent_mib, size * handles, handles, grow, shrink)
 
 
 def report(common: dict[str, Any], via: str, extent_mib: int, nbytes: int, handles: int,
