@@ -269,6 +269,36 @@ class ConformanceSuite(CapabilityGate):
             backend.release(p)
             assert p.closed
 
+    def test_create_many_and_release_many_keep_the_books(self, backend: Backend, g: int) -> None:
+        pages = backend.create_many(2 * g, 3)
+        assert len(pages) == 3 and len(set(pages)) == 3
+        assert backend.created_bytes == 6 * g and backend.live_counts == (0, 3)
+        assert backend.create_many(g, 0) == [] and backend.created_bytes == 6 * g
+        with backend.reserve(6 * g) as r:
+            backend.map_many(r, [(i * 2 * g, p) for i, p in enumerate(pages)])
+            self.fill(backend, r, 0, 6 * g, 4)  # each page is memory of its own
+            assert self.read(backend, r, 0, 6 * g) == {4}
+            with pytest.raises(InvalidArgument):  # one still mapped: none is released
+                backend.unmap(r, 0, 2 * g)
+                backend.release_many(pages)
+            assert not any(p.closed for p in pages) and backend.created_bytes == 6 * g
+            self.fill(backend, r, 2 * g, 2 * g, 6)  # the mapped ones are untouched
+            assert self.read(backend, r, 2 * g, 2 * g) == {6}
+            backend.unmap_many(r, [(2 * g, 2 * g), (4 * g, 2 * g)])
+        with pytest.raises(InvalidArgument):
+            backend.release_many([pages[0], pages[0]])
+        backend.release_many(pages)
+        assert all(p.closed for p in pages) and backend.live_counts == (0, 0)
+        assert backend.created_bytes == 0
+        with pytest.raises(InvalidArgument):  # released already
+            backend.release_many(pages[:1])
+
+    @pytest.mark.parametrize("count", [-1, 1.0, True, None])
+    def test_create_many_rejects_a_bad_count(self, backend: Backend, g: int, count: object) -> None:
+        with pytest.raises(InvalidArgument):
+            backend.create_many(g, count)  # type: ignore[arg-type]
+        assert backend.live_counts == (0, 0) and backend.created_bytes == 0
+
     def test_free_while_mapped_is_rejected(self, backend: Backend, g: int) -> None:
         r = backend.reserve(2 * g)
         with backend.create(g) as p:
@@ -513,11 +543,14 @@ class ConformanceSuite(CapabilityGate):
                 limited.create(g)
             with pytest.raises(OutOfMemory):
                 limited.create(2 * g)
+            with pytest.raises(OutOfMemory):  # all or nothing: none of the two is made
+                limited.create_many(g, 2)
+            assert limited.created_bytes == 4 * g and limited.live_counts == (1, 4)
             limited.map_many(r, [(i * g, p) for i, p in enumerate(pages)])
             self.fill(limited, r, 0, 4 * g, 8)
             limited.unmap(r, 0, g)
             limited.release(pages[0])
-            again = limited.create(g)  # the freed room is usable again
+            (again,) = limited.create_many(g, 1)  # the freed room is usable again
             limited.map(r, 4 * g, again)
             self.fill(limited, r, 4 * g, g, 9)
             assert self.read(limited, r, g, 3 * g) == {8}

@@ -672,8 +672,7 @@ class PageAllocator(Closeable):
         pages: list[Page] = []
         mapped: list[tuple[Reservation, list[tuple[int, int]]]] = []
         try:
-            for _ in self.group.segments:
-                pages.append(backend.create(size))
+            pages = backend.create_many(size, len(self.group.segments))
             i = 0
             for reservation, offsets in self.group.reservations:
                 items = [(offset + at, pages[i + j]) for j, offset in enumerate(offsets)]
@@ -684,8 +683,7 @@ class PageAllocator(Closeable):
             try:
                 for reservation, ranges in mapped:
                     backend.unmap_many(reservation, ranges)
-                for page in pages:
-                    backend.release(page)
+                backend.release_many(pages)
             finally:
                 self._charged(-npages)  # first: a refund that raises leaves no page counted
                 self.account.refund(nbytes)
@@ -730,8 +728,7 @@ class PageAllocator(Closeable):
         at = extent.start * self._page_bytes
         for reservation, offsets in self.group.reservations:
             self.backend.unmap_many(reservation, [(offset + at, size) for offset in offsets])
-        for page in extent.pages:
-            self.backend.release(page)
+        self.backend.release_many(extent.pages)
 
     def _release_claimed(self, extents: list[Extent]) -> int:
         """Outside the lock: destroy claimed extents and settle the books."""

@@ -350,6 +350,78 @@ class Backend(Closeable, ABC):
             self._pages.add(page)
         return page
 
+    def create_many(self, nbytes: int, count: int) -> list[Page]:
+        """`count` pages of `nbytes` each, all or nothing: a growth step creates one page
+        per layer buffer, and one call checks, charges the memory limit and records them
+        once rather than per page (a fifth of the Python of `count` creates; the driver
+        calls are the same). If one cannot be created, those made are released and the
+        error (OutOfMemory for a full device or limit) is raised."""
+        self._check_open()
+        self._check_size("page size", nbytes)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise InvalidArgument(f"page count must be a non-negative int, got {count!r}")
+        total = nbytes * count
+        with self._state_lock:
+            limit = self.memory_limit
+            if limit is not None and self._created_bytes + total > limit:
+                raise OutOfMemory(
+                    f"creating {count} pages of {nbytes} bytes would pass this {self.name} "
+                    f"backend's memory_limit ({self._created_bytes} of {limit} bytes in use)"
+                )
+            self._created_bytes += total
+        made: list[Page] = []
+        create = self._create
+        try:
+            for _ in range(count):
+                made.append(Page(self, create(nbytes), nbytes))
+        except BaseException:
+            try:
+                for page in made:
+                    self._release(page.handle, nbytes)
+            finally:
+                with self._state_lock:
+                    self._created_bytes -= total
+            raise
+        with self._state_lock:
+            self._pages.update(made)
+        return made
+
+    def release_many(self, pages: Sequence[Page]) -> None:
+        """Release several pages; none is released if one is mapped, released already or
+        not this backend's. A driver error part way leaves the rest unreleased (and
+        usable), the ones before it released, and is raised."""
+        pages = list(pages)
+        for page in pages:
+            self._check_page(page)
+        if len(set(pages)) != len(pages):
+            raise InvalidArgument("release_many was given the same page twice")
+        with self._state_lock:
+            for page in pages:
+                if page._closed:  # released by another thread since the check
+                    self._check_page(page)
+            for page in pages:
+                page._closed = True  # first: see `release`
+            busy = [page for page in pages if page._mapped_in]
+            if busy:
+                for page in pages:
+                    page._closed = False
+                raise InvalidArgument(
+                    f"cannot release {busy[0]!r}: it is still mapped "
+                    f"{len(busy[0]._mapped_in)} time(s); unmap it first (nothing released)"
+                )
+            self._pages.difference_update(pages)
+        released = 0
+        try:
+            for page in pages:
+                self._release(page.handle, page.nbytes)
+                released += 1
+        finally:
+            with self._state_lock:
+                for page in pages[released:]:
+                    page._closed = False
+                    self._pages.add(page)
+                self._created_bytes -= sum(page.nbytes for page in pages[:released])
+
     @property
     def created_bytes(self) -> int:
         """Physical bytes this instance holds in pages that are not released."""
