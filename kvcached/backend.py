@@ -564,8 +564,15 @@ class Backend(Closeable, ABC):
         self._check_reservation(reservation)
         with reservation._lock:
             covered: list[int] = []
+            mapped_at = reservation._mappings.get
             for offset, nbytes in ranges:
-                covered.extend(self._mappings_covering(reservation, offset, nbytes))
+                # one whole mapping (what the allocator unmaps) is found by its start;
+                # anything else is tiled, or refused, by `_mappings_covering`
+                page = mapped_at(offset) if offset.__class__ is int else None
+                if page is not None and nbytes.__class__ is int and page.nbytes == nbytes:
+                    covered.append(offset)
+                else:
+                    covered.extend(self._mappings_covering(reservation, offset, nbytes))
             if len(set(covered)) != len(covered):
                 raise InvalidArgument("unmap ranges overlap each other")
             mappings, base, g = reservation._mappings, reservation.address, self._g
