@@ -1126,10 +1126,12 @@ SECTIONS = (
         "whose every figure was about 1.4 times the previous one's. Placing the handles in "
         "the layout's 36 per-layer reservations, as the allocator does, costs the driver "
         "0.53 ms more a 32 MiB step than one range of its own (4.72 against 4.19 ms) and "
-        "nothing at 64 MiB (5.02 against 5.19); what is left between it and the allocator, "
-        "1.53 ms (32 MiB) and 1.14 ms (64 MiB) a 72-handle step, is kvcached's Python on "
-        "this host, which the `create_many` / `release_many` change since cuts by a "
-        "quarter on the CPU machine (its section below; not run on a GPU yet).",
+        "nothing at 64 MiB (5.02 against 5.19). The allocator takes 1.53 ms (32 MiB) and "
+        "1.14 ms (64 MiB) more than the driver in place a 72-handle step; its Python "
+        "with the driver stubbed is 0.20 ms a step on the CPU machine (0.14 after the "
+        "`create_many` / `release_many` change, its section below), some three times "
+        "that on a GPU machine's host by the per-page figures: the rest is not accounted "
+        "for yet, and the change is not run on a GPU yet.",
         _grow_shrink,
     ),
     Section(
