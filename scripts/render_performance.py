@@ -18,7 +18,7 @@ import ast
 import itertools
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -688,21 +688,26 @@ def _schedule_cost_trees(files: dict[str, Rows]) -> list[str]:
     return _table(header, body)
 
 
-def _vmm_bookkeeping(files: dict[str, Rows]) -> list[str]:
-    """One row per tree (label): the medians of its runs' summaries, fresh processes."""
-    body = []
+def _runs_by_label(files: dict[str, Rows]) -> Iterator[tuple[str, str, Rows]]:
+    """(file, label, that label's summary lines) of files whose runs name their tree."""
     for name, rows in files.items():
         runs = [r for r in rows if r.get("run") == "summary"]
         for label in dict.fromkeys(r["label"] for r in runs):
-            mine = [r for r in runs if r["label"] == label]
+            yield name, label, [r for r in runs if r["label"] == label]
 
-            def median(key: str, mine: Rows = mine) -> float:
-                return round(statistics.median(r[key] for r in mine), 3)
 
-            added = [r["added_us"] for r in mine]
-            body.append([f"`{Path(name).name}`", label, len(mine), median("map_us"),
-                         median("unmap_us"), median("stand_in_us"), median("added_us"),
-                         f"{_g(round(min(added), 3))}-{_g(round(max(added), 3))}"])  # fmt: skip
+def _vmm_bookkeeping(files: dict[str, Rows]) -> list[str]:
+    """One row per tree (label): the medians of its runs' summaries, fresh processes."""
+    body = []
+    for name, label, mine in _runs_by_label(files):
+
+        def median(key: str, mine: Rows = mine) -> float:
+            return round(statistics.median(r[key] for r in mine), 3)
+
+        added = [r["added_us"] for r in mine]
+        body.append([f"`{Path(name).name}`", label, len(mine), median("map_us"),
+                     median("unmap_us"), median("stand_in_us"), median("added_us"),
+                     f"{_g(round(min(added), 3))}-{_g(round(max(added), 3))}"])  # fmt: skip
     header = ["file", "tree", "runs", "map µs", "unmap µs", "stand-in calls µs",
               "added µs a map+unmap (median)", "range"]  # fmt: skip
     return _table(header, body)
@@ -711,15 +716,11 @@ def _vmm_bookkeeping(files: dict[str, Rows]) -> list[str]:
 def _grow_bookkeeping(files: dict[str, Rows]) -> list[str]:
     """One row per tree (label): the medians of its runs, fresh processes alternating."""
     body = []
-    for name, rows in files.items():
-        runs = [r for r in rows if r.get("run") == "summary"]
-        for label in dict.fromkeys(r["label"] for r in runs):
-            mine = [r for r in runs if r["label"] == label]
-            grow = [r["grow_us"] for r in mine]
-            body.append([f"`{Path(name).name}`", label, len(mine), mine[0]["handles"],
-                         round(statistics.median(grow), 1),
-                         f"{_g(min(grow))}-{_g(max(grow))}",
-                         round(statistics.median(r["shrink_us"] for r in mine), 1)])  # fmt: skip
+    for name, label, mine in _runs_by_label(files):
+        grow = [r["grow_us"] for r in mine]
+        body.append([f"`{Path(name).name}`", label, len(mine), mine[0]["handles"],
+                     round(statistics.median(grow), 1), f"{_g(min(grow))}-{_g(max(grow))}",
+                     round(statistics.median(r["shrink_us"] for r in mine), 1)])  # fmt: skip
     header = ["file", "tree", "runs", "handles a step", "grow µs a step (median)", "range",
               "shrink µs a step (median)"]  # fmt: skip
     return _table(header, body)
