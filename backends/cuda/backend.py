@@ -215,9 +215,10 @@ class CudaBackend(Backend):
 
         Instance attributes rather than methods: `Backend.map` calls `self._map_one` once
         per page, and a closure spares the bound method and the five attribute lookups
-        a method would make (0.19 of 0.86 us per map+unmap with the driver stubbed on
-        the CPU machine, about three times that on the GPU machine's host, where the
-        overhead target is measured; benchmarks/vmm_bookkeeping.py).
+        a method would make. With the driver stubbed, kvcached's time per map+unmap
+        went from 0.88 to 0.69 us on the CPU machine and from 3.03 to 2.37 us on an H100
+        machine's host, where the overhead target is measured (vmm_bookkeeping_trees.jsonl
+        in benchmarks/results/cpu-2026-12-05c and h100-2026-12-05d).
 
         They skip the per-thread context check: the VMM calls take the device from their
         arguments, and if a driver does want a current context after all, the call fails
