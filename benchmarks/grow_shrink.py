@@ -122,12 +122,13 @@ def bench_driver(backend: Backend, group: KVGroup, extent_mib: int, rounds: int,
     `extent_mib` per segment, created and mapped (with access granted) by the raw driver
     calls `vmm_ops.py` times, then unmapped and released; no kvcached code between.
 
-    Twice: ``driver`` maps the handles side by side in one range of its own, and
+    Both rows create every handle first and then map them in the allocator's order, as
+    `PageAllocator._build` does: ``driver`` side by side in one range of its own,
     ``driver in place`` where the allocator maps them, at the start of each segment in
-    the layout's per-layer reservations (all created first, then mapped reservation by
-    reservation, as `PageAllocator._build` does), so that a difference between the two
-    is the placement's, and what is left between the second and the allocator's rows is
-    kvcached's."""
+    the layout's per-layer reservations. A difference between the two is the
+    placement's, and what is left between the second and the allocator's rows is
+    kvcached's. (In h100-2026-12-05d and -05e the ``driver`` row made its handles one by one,
+    each created then mapped: there the difference is placement and order together.)"""
     raw = RAW_DRIVERS[backend.name](backend)
     size = extent_mib * MiB
     handles = len(group.segments)
@@ -143,13 +144,7 @@ def bench_driver(backend: Backend, group: KVGroup, extent_mib: int, rounds: int,
                 addresses = in_place
             made: list[Any] = []
 
-            def build(addresses: list[int] = addresses, made: list[Any] = made,
-                      together: bool = via == "driver") -> None:  # fmt: skip
-                if together:  # create and map handle by handle
-                    for address in addresses:
-                        made.append(raw.create(size))
-                        raw.map(address, size, made[-1])
-                    return
+            def build(addresses: list[int] = addresses, made: list[Any] = made) -> None:
                 made.extend(raw.create(size) for _ in addresses)
                 for address, handle in zip(addresses, made, strict=True):
                     raw.map(address, size, handle)

@@ -1115,8 +1115,8 @@ SECTIONS = (
         "through the allocator, under 1 ms/GiB. kvcached's own Python in a step is about 0.2 "
         "ms on the CPU machine with the driver stubbed; the rest of the 1.2 ms at 32 MiB is "
         "not found: the allocator maps into 36 per-layer reservations where this floor used "
-        "one range, and `grow_shrink.py` now also times the driver `in place` (in the "
-        "layout's reservations, as the allocator does), not run yet.",
+        "one range (the `driver in place` rows of the next section map where the allocator "
+        "does).",
         _grow_shrink,
     ),
     Section(
@@ -1125,9 +1125,12 @@ SECTIONS = (
         ("h100-2026-12-05e/grow_shrink_cuda.jsonl",),
         "The same run with the `driver in place` rows (commit 0142010), on an H100 machine "
         "whose every figure was about 1.4 times the previous one's. Placing the handles in "
-        "the layout's 36 per-layer reservations, as the allocator does, costs the driver "
-        "0.53 ms more a 32 MiB step than one range of its own (4.72 against 4.19 ms) and "
-        "nothing at 64 MiB (5.02 against 5.19). The allocator takes 1.53 ms (32 MiB) and "
+        "the layout's 36 per-layer reservations and creating them all before mapping, as "
+        "the allocator does, costs the driver 0.53 ms more a 32 MiB step than one range of "
+        "its own with each handle created and mapped in turn (4.72 against 4.19 ms), and "
+        "nothing at 64 MiB (5.02 against 5.19); this run does not tell placement from "
+        "order (`grow_shrink.py` has used one order for both rows since). The allocator "
+        "takes 1.53 ms (32 MiB) and "
         "1.14 ms (64 MiB) more than the driver in place a 72-handle step; its Python "
         "with the driver stubbed is 0.20 ms a step on the CPU machine (0.14 after the "
         "`create_many` / `release_many` change, its section below), some three times "
