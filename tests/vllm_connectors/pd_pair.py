@@ -95,10 +95,17 @@ def _remote_blocks(params: dict[str, Any]) -> list[int]:
 
 
 def through_the_pair(
-    producer: Side, consumer: Side, batch: list[list[int]], max_tokens: int, swap: bool = False
+    producer: Side,
+    consumer: Side,
+    batch: list[list[int]],
+    max_tokens: int,
+    swap: bool = False,
+    settle: bool = False,
 ) -> dict[str, Any]:
     """One batch the PD way; with `swap`, the producer's blocks are swapped between the
-    prefill and the decode."""
+    prefill and the decode; with `settle`, the producer's last reading waits (a bounded
+    while) for kvcached to release memory the read freed, rather than racing its pool
+    thread."""
     prefill = producer.ask(
         generate=[{"ids": ids, "kv_transfer_params": {"do_remote_decode": True}} for ids in batch],
         max_tokens=1,
@@ -122,7 +129,8 @@ def through_the_pair(
     seen["consumer_first_token_s"] = [o["first_token_s"] for o in decode["outputs"]]
     seen["consumer_tpot_s"] = [o["tpot_s"] for o in decode["outputs"]]
     seen["consumer_after"] = consumer.ask(held=[])
-    seen["producer_after_decode"] = producer.ask(held=blocks, steps=3)
+    below = seen["producer_after_prefill"]["reserved_bytes"] if settle else None
+    seen["producer_after_decode"] = producer.ask(held=blocks, steps=3, reserved_below=below)
     return seen
 
 
@@ -150,9 +158,9 @@ class Pair:
         self.startup_s = time.perf_counter() - started
 
     def through(
-        self, batch: list[list[int]], max_tokens: int, swap: bool = False
+        self, batch: list[list[int]], max_tokens: int, swap: bool = False, settle: bool = False
     ) -> dict[str, Any]:
-        return through_the_pair(self.producer, self.consumer, batch, max_tokens, swap)
+        return through_the_pair(self.producer, self.consumer, batch, max_tokens, swap, settle)
 
     def alone(self, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
         """The consumer, its prefix cache dropped, computes `batch` itself."""
@@ -173,7 +181,8 @@ def check(
     """The three steps of the module docstring on one pair."""
     a, b = prompts(batch, prompt_len, seed=0), prompts(batch, prompt_len, seed=1)
     result: dict[str, Any] = {"startup_s": pair.startup_s}
-    result["a"] = pair.through(a, max_tokens)
+    # settled: the check reads whether the read's freed memory went back
+    result["a"] = pair.through(a, max_tokens, settle=True)
     result["b_swapped"] = pair.through(b, max_tokens, swap=True)
     # one batch at a time, as the pair ran them (the same batch shapes)
     result["alone_a"] = pair.alone(a, max_tokens)

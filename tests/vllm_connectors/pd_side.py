@@ -23,8 +23,11 @@ turns it off on the other side too.
     {"generate": [{"ids": [...], "kv_transfer_params": {...} | null}], "max_tokens": N}
         -> {"outputs": [{"tokens": [...], "kv_transfer_params": {...} | null,
              "first_token_s": F, "tpot_s": T}], "s": S}
-    {"held": [block ids], "steps": K}   K empty engine steps first (the producer learns
-        there that the consumer's reads are done), then kvcached's view of its blocks:
+    {"held": [block ids], "steps": K, "reserved_below": R}   K empty engine steps first
+        (the producer learns there that the consumer's reads are done); with R, then up
+        to SETTLE_S seconds for kvcached's reserved bytes to fall under R (the pool
+        thread releases an emptied extent on its next wake, after the steps: a reading
+        taken at once raced it); then kvcached's view of its blocks:
         -> {"used_blocks": U, "reserved_bytes": R, "held": [the ids still held],
             "device_bytes": torch's allocated bytes (the plain engine's KV pool is in it)}
         (None and [] without kvcached)
@@ -45,6 +48,8 @@ import os
 import sys
 import time
 from typing import Any
+
+SETTLE_S = 10.0  # the longest a "held" command waits for a release (`reserved_below`)
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -182,6 +187,13 @@ def main() -> None:
                 llm.llm_engine.step()
                 time.sleep(0.05)  # the consumer's notification travels meanwhile
             allocator = _kvcached_allocator()
+            if allocator is not None and command.get("reserved_below") is not None:
+                deadline = time.monotonic() + SETTLE_S
+                while (
+                    allocator.reserved_bytes >= command["reserved_below"]
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.02)
             answer = {
                 "used_blocks": None if allocator is None else allocator.used_blocks,
                 "reserved_bytes": None if allocator is None else allocator.reserved_bytes,
