@@ -186,6 +186,7 @@ def config(a: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": a.max_tokens,
         "context_length": a.context_length,
         "extent_size": a.extent_size or "default",
+        "mem_fraction": a.mem_fraction,
         "repeats": a.repeats,
         "seconds": a.seconds,
     }
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         seconds = time.perf_counter() - began
         info = engine.get_server_info()
+        pool_tokens[side] = info.get("max_total_num_tokens")
         report.emit(
             {
                 "step": "startup",
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return engine
 
     engines: dict[str, Any] = {}
+    pool_tokens: dict[str, Any] = {}
     for side in ("off", "on"):
         engine = report.step(f"startup {side}", lambda side=side: start(side))
         if engine is not None:
@@ -384,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         "median_out_tok_per_s": speed,
         "config": config(a),
     }
+    # a baseline pool smaller than the batch queues and retracts: its throughput is then
+    # SGLang under pressure, not the overhead (the sweep's mem fraction must hold it)
+    batch_tokens = sum(len(p) for p in prompts) + a.prompts * a.max_tokens
+    summary["batch_kv_tokens"] = batch_tokens
+    summary["baseline_pool_tokens"] = pool_tokens.get("off")
+    if isinstance(pool_tokens.get("off"), int):
+        summary["baseline_pool_holds_batch"] = pool_tokens["off"] >= batch_tokens
     if "on" in speed and "off" in speed:
         summary["throughput_ratio"] = round(speed["on"] / speed["off"], 4)
         sides = [{**r, "kvcached": r["side"] == "on"} for rs in runs.values() for r in rs]

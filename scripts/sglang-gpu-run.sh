@@ -13,7 +13,9 @@
 #              of the script's SWEEP_CELLS, 0.6B and 8B shapes, short and long prompts,
 #              2/32/64 MiB extents; /tmp/m-q8b for the q8b cells), REPEATS (11) pairs, each
 #              cell bounded by CELL_S (420) seconds, its pairs stopping 90 s before, into
-#              $OUT/sweep/sglang_overhead.jsonl; equality checked on every batch
+#              $OUT/sweep/sglang_overhead.jsonl; equality checked on every batch;
+#              MEM_FRACTION (0.4) is SGLang alone's pool: on an 80 GB card q8b-long
+#              needs 0.5 for the batch to fit it (the summary says whether it did)
 #   multi      benchmarks/sglang_multi_instance.py: two SGLang instances, one ledger
 #   colocated  the same with an SGLang and a vLLM instance (vLLM from /tmp/site, the
 #              vLLM recipe's site; kvcached is installed there too)
@@ -81,7 +83,7 @@ for step in $steps; do
             cell_s=${CELL_S:-420}
             timeout "$cell_s" python3 "$repo/benchmarks/sglang_overhead.py" --cell "$cell" \
                 --out-dir "$dir" --repeats "${REPEATS:-11}" --seconds $((cell_s - 90)) \
-                --mem-fraction 0.4 --budget 40GiB --skip pressure,corrupt \
+                --mem-fraction "${MEM_FRACTION:-0.4}" --budget 40GiB --skip pressure,corrupt \
                 >> "$dir/run.log" 2>&1 || { echo "STEP sweep: cell $cell failed"; status=1; }
             grep -h '"step": "summary"' "$dir/sglang_overhead.jsonl" | tail -n 1 | cut -c1-400
         done

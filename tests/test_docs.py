@@ -191,3 +191,28 @@ def test_every_per_handle_cost_names_the_results_file_it_comes_from() -> None:
     ]
     sourced = "~60 µs per handle (`benchmarks/results/x/grow_shrink_cuda.jsonl`)."
     assert per_handle_figures_without_a_source(sourced) == []
+
+
+def _overview(page: str) -> str:
+    return page.split("## The sweep's cells at a glance")[1].split("## The benchmarks")[0]
+
+
+def test_the_cells_overview_lists_every_cell_each_sweep_defines() -> None:
+    cells = render_performance.sweep_cells()
+    script = (ROOT / "scripts" / "vllm-gpu-run.sh").read_text()
+    assert cells["vLLM"] and all(f"{name})" in script for name in cells["vLLM"])
+    sglang = (ROOT / "benchmarks" / "sglang_overhead.py").read_text()
+    assert cells["SGLang"] and all(f'"{name}": Cell(' in sglang for name in cells["SGLang"])
+    overview = _overview(render_performance.render())
+    for engine, names in cells.items():
+        for name in names:
+            assert f"| {engine} | `{name}` |" in overview, (engine, name)
+
+
+def test_a_cell_without_a_kept_run_reads_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    defined = render_performance.sweep_cells()
+    defined["SGLang"] = [*defined["SGLang"], "q70b-huge"]
+    monkeypatch.setattr(render_performance, "sweep_cells", lambda: defined)
+    overview = _overview(render_performance.render())
+    assert "| SGLang | `q70b-huge` | not run |" in overview
+    assert "| SGLang | `q8b-short` | not run |" not in overview  # it has a kept run

@@ -5,6 +5,7 @@ ran, so that no device time is spent on a cell whose batch does not fit its cont
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,70 @@ def test_pairs_stop_once_the_runs_seconds_are_spent(
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == str(stop), done.stderr[-2000:]
+
+
+#: a stand-in for SGLang's offline Engine: greedy "tokens" from each prompt's first id,
+#: and a pool of FAKE_POOL_TOKENS for the engine started with a static pool
+FAKE_ENGINE = """
+import os
+
+
+class _Tokenizer:
+    def __len__(self):
+        return 1000
+
+
+class _TokenizerManager:
+    tokenizer = _Tokenizer()
+
+
+class Engine:
+    def __init__(self, **options):
+        self.static = "mem_fraction_static" in options  # SGLang alone's side
+        self.tokenizer_manager = _TokenizerManager()
+
+    def get_server_info(self):
+        pool = int(os.environ["FAKE_POOL_TOKENS"]) if self.static else 10**7
+        return {"max_total_num_tokens": pool}
+
+    def generate(self, input_ids, sampling_params):
+        n = sampling_params["max_new_tokens"]
+        return [{"output_ids": [ids[0] % 7] * n, "meta_info": {}} for ids in input_ids]
+
+    def shutdown(self):
+        pass
+"""
+
+
+@pytest.mark.parametrize(("pool", "holds"), [(70_000, True), (60_000, False)])
+def test_the_summary_says_whether_sglang_alones_pool_held_the_batch(
+    tmp_path: Path, pool: int, holds: bool
+) -> None:
+    # q06-short's batch is 256 prompts of 128 tokens and 128 new ones: 65,536 tokens of KV
+    site = tmp_path / "site"
+    engine = site / "sglang" / "srt" / "entrypoints"
+    engine.mkdir(parents=True)
+    for folder in (site / "sglang", site / "sglang" / "srt", engine):
+        (folder / "__init__.py").write_text("")
+    (engine / "engine.py").write_text(FAKE_ENGINE)
+    env = {**os.environ, "PYTHONPATH": str(site), "FAKE_POOL_TOKENS": str(pool),
+           "KVCACHED_LEDGER_DIR": str(tmp_path / "ledger")}  # fmt: skip
+    args = ["--cell", "q06-short", "--repeats", "3", "--skip", "pressure,corrupt",
+            "--mem-fraction", "0.45", "--out-dir", str(tmp_path / "out")]  # fmt: skip
+    code = (  # the ledger's CUDA key needs cuda-bindings: the kvcached side's row is {}
+        f"import sys; sys.path[:0] = [{str(SCRIPT.parent)!r}]\n"
+        "import sglang_overhead as b\n"
+        "b.ledger_row = lambda ledger_dir: {}\n"
+        f"sys.exit(b.main({args!r}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    (summary,) = [line for line in lines if line.get("step") == "summary"]
+    assert summary["batch_kv_tokens"] == 256 * (128 + 128)
+    assert summary["baseline_pool_tokens"] == pool
+    assert summary["baseline_pool_holds_batch"] is holds
+    assert summary["config"]["mem_fraction"] == 0.45
+    assert summary["equal"] is True and summary["pairs"] == 3
