@@ -26,6 +26,12 @@ tokens, CUDA graphs on (no `--eager`), >= 20 pairs; `scripts/vllm-gpu-run.sh ove
 `--runners v1,v2` selects vLLM 0.26's Model Runner V1 or V2 (VLLM_USE_V2_MODEL_RUNNER);
 on vLLM-CPU pass `--runners cpu --eager --dtype float32` and small sizes.
 
+`--second-baseline` settles what a token mismatch means: after the pairs, kvcached's
+engine stops and a second vLLM-alone process runs the batch twice. The summary's
+`second_baseline_equal` says whether vLLM alone gave its own first process's tokens;
+where it did not, vLLM differs from itself between processes (its kernels' choices are
+made per process), and a mismatch with kvcached says nothing about kvcached's blocks.
+
 `--step-times` says where a batch's time goes, on both sides alike: each batch's record
 gets `host_s`, the seconds spent in the engine core's steps and, within them, in the
 scheduler (`schedule`, `update_from_output`) and in the executor's calls
@@ -192,20 +198,12 @@ def measure(
             out.write(json.dumps(record) + "\n")
             out.flush()
 
-    engines: dict[bool, Engine] = {}
+    engines: dict[bool | None, Engine] = {}  # None: the second vLLM-alone process
     startup: dict[bool, float] = {}
     deadline = time.monotonic() + a.seconds if a.seconds else None
     try:
         for kvcached in (False, True):
-            env = dict(os.environ)
-            env.update(
-                ENABLE_KVCACHED="1" if kvcached else "0",
-                VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                KVCACHED_BUDGET=a.budget,
-                PYTHONUNBUFFERED="1",
-            )
-            if runner in ("v1", "v2"):
-                env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+            env = engine_env(a, runner, kvcached)
             engines[kvcached] = Engine([sys.executable, __file__, *forwarded], env, log)
             startup[kvcached] = float(engines[kvcached].answer("READY ")["startup_s"])
         for repeat in range(a.repeats):
@@ -218,6 +216,18 @@ def measure(
                 }  # fmt: skip
                 record.update(engines[kvcached].run_batch())
                 keep(record)
+        if a.second_baseline:
+            engines.pop(True).stop()  # its memory goes back before another engine starts
+            env = engine_env(a, runner, kvcached=False)
+            second = engines[None] = Engine([sys.executable, __file__, *forwarded], env, log)
+            started = float(second.answer("READY ")["startup_s"])
+            for repeat in range(2):
+                record = {
+                    "bench": "vllm_overhead", "runner": runner, "kvcached": False,
+                    "second_baseline": True, "repeat": repeat, "startup_s": started,
+                }  # fmt: skip
+                record.update(second.run_batch())
+                keep(record)
     except RuntimeError as exc:
         keep({"bench": "vllm_overhead", "runner": runner, "error": str(exc)[-3000:]})
     finally:
@@ -226,8 +236,23 @@ def measure(
     return records
 
 
+def engine_env(a: argparse.Namespace, runner: str, kvcached: bool) -> dict[str, str]:
+    """The environment of one engine process: kvcached on or off, in-process core."""
+    env = dict(os.environ)
+    env.update(
+        ENABLE_KVCACHED="1" if kvcached else "0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        KVCACHED_BUDGET=a.budget,
+        PYTHONUNBUFFERED="1",
+    )
+    if runner in ("v1", "v2"):
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    return env
+
+
 def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
-    timed = [r for r in mine if "tokens_per_s" in r]
+    second = [r for r in mine if "tokens_per_s" in r and r.get("second_baseline")]
+    timed = [r for r in mine if "tokens_per_s" in r and not r.get("second_baseline")]
     steady = [r for r in timed if r["batch"] > 0]  # the first batch maps kvcached's memory
 
     def median(rows: list[dict[str, Any]], kvcached: bool, key: str) -> float:
@@ -240,6 +265,10 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
     # the two batches of one repeat ran back to back: their ratio is the least exposed
     # to the device's drift (throughput moved up to 1.6x within a minute on the H200)
     pairs = pair_ratios(steady)
+    baseline = {r["checksum"] for r in timed if not r["kvcached"]}
+    settled = {}
+    if second:  # --second-baseline: does vLLM alone agree with itself across processes?
+        settled["second_baseline_equal"] = {r["checksum"] for r in second} == baseline
     return {
         "bench": "vllm_overhead_summary",
         "runner": runner,
@@ -254,6 +283,7 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
         "startup_s_kvcached": median(timed, True, "startup_s"),
         "startup_s_vllm": median(timed, False, "startup_s"),
         "greedy_equal": len({r["checksum"] for r in timed}) == 1,
+        **settled,
         "batches": len(timed),
         **step_parts(steady),
     }
@@ -317,6 +347,9 @@ def main() -> None:
     ap.add_argument("--log", default=None, help="the engines' own output goes here")
     ap.add_argument("--summarize", metavar="JSONL", help="only summarize the batches in JSONL")
     ap.add_argument("--label", default=None, help="the cell's name in a characterization sweep")
+    ap.add_argument("--second-baseline", action="store_true",
+                    help="after the pairs, a second vLLM-alone process runs the batch twice: "
+                    "does vLLM alone give its own tokens again?")  # fmt: skip
     ap.add_argument("--step-times", action="store_true",
                     help="each batch's seconds in the engine core's steps, by part")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

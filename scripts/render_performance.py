@@ -202,6 +202,20 @@ def _sweep_cell(label: str, name: str) -> str:
     return label if stem == "sweep" else f"{label} ({stem})"
 
 
+def _same_tokens(row: dict[str, Any]) -> str:
+    """A vLLM summary's token check: kvcached's against vLLM alone's, and with
+    `--second-baseline` whether a second vLLM-alone process gave vLLM alone's tokens
+    again (where it did not, vLLM differs from itself and the first says nothing)."""
+
+    def word(flag: Any) -> str:
+        return "yes" if flag is True else "no" if flag is False else str(flag)
+
+    text = word(row["greedy_equal"])
+    if "second_baseline_equal" in row:
+        text += f"; vLLM alone again: {word(row['second_baseline_equal'])}"
+    return text
+
+
 def _vllm_sweep(files: dict[str, Rows]) -> list[str]:
     """One row per cell of the characterization sweep: what it ran on (the summary's
     `config`) and the paired ratio with its interval and verdict."""
@@ -218,7 +232,7 @@ def _vllm_sweep(files: dict[str, Rows]) -> list[str]:
                  lengths, c["max_tokens"], c["extent_size"],
                  _round(row["tokens_per_s_vllm"], 1), _round(row["tokens_per_s_kvcached"], 1),
                  row["paired_ratio_median"], f"[{_g(low)}, {_g(high)}]", row["pairs"],
-                 row["verdict"], row["greedy_equal"]]
+                 row["verdict"], _same_tokens(row)]
             )  # fmt: skip
     header = ["cell", "model", "runner", "prompts", "prompt tokens", "new tokens", "extent",
               "vLLM tok/s", "kvcached tok/s", "paired ratio", "95 % interval", "pairs"]  # fmt: skip
@@ -1684,7 +1698,7 @@ def _cells_overview(results: Path) -> list[str]:
 
     def add(engine: str, cell: str, name: str, row: dict[str, Any]) -> None:
         low, high = row.get("paired_ratio_ci95") or (None, None)
-        same = row["greedy_equal"] if "greedy_equal" in row else row.get("equal")
+        same = _same_tokens(row) if "greedy_equal" in row else row.get("equal")
         runs.setdefault((engine, cell), []).append(
             [f"`{name}`", machine_key(name).upper(), row.get("pairs"),
              row.get("paired_ratio_median"), f"[{_g(low)}, {_g(high)}]", row.get("verdict"),

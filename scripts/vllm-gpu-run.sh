@@ -32,7 +32,9 @@
 #              calls), REPEATS (11) alternating batches each, fewer where a cell's pairs
 #              would pass CELL_S (420) less 30 s, into $OUT/sweep.jsonl, each summary
 #              with its `config` (label, model, lengths, extent size, runner) and, per
-#              side, the median seconds a batch spent in each part of the engine's steps
+#              side, the median seconds a batch spent in each part of the engine's steps;
+#              SECOND_BASELINE=1 then starts a second vLLM-alone process (SECOND_BASELINE_S,
+#              150 s, kept for it) whose tokens say whether vLLM agrees with itself
 #   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06, the trials of
 #              CONNECTOR_TRIALS (default offloading; also lmcache, capacity) (issue 21):
 #              offloading: tokens with the CPU tier, vLLM alone and kvcached, loaded blocks
@@ -102,9 +104,13 @@ for step in "$@"; do
             *) echo "unknown sweep cell $cell"; status=2; continue ;;
             esac
             cell_s=${CELL_S:-420}  # pairs stop 30 s before the timeout: a summary
+            spare=30 second=()
+            if [ -n "${SECOND_BASELINE:-}" ]; then  # its start and two batches come last
+                spare=$((30 + ${SECOND_BASELINE_S:-150})) second=(--second-baseline)
+            fi
             KVCACHED_EXTENT_SIZE=$7 timeout "$cell_s" python3 \
                 "$repo/benchmarks/vllm_overhead.py" "$1" --label "$cell" --runners "$2" \
-                --repeats "${REPEATS:-11}" --seconds $((cell_s - 30)) --prompts "$3" \
+                --repeats "${REPEATS:-11}" --seconds $((cell_s - spare)) "${second[@]}" --prompts "$3" \
                 --prompt-len "$4" --prompt-len-max "$5" --max-tokens "$6" --max-model-len 8192 \
                 --gpu-mem 0.4 --budget 40GiB --step-times --log "$out/sweep.log" \
                 --out "$out/sweep.jsonl" | grep -v '"bench": "vllm_overhead",' | cut -c1-400 || status=1

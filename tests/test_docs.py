@@ -216,3 +216,11 @@ def test_a_cell_without_a_kept_run_reads_not_run(monkeypatch: pytest.MonkeyPatch
     overview = _overview(render_performance.render())
     assert "| SGLang | `q70b-huge` | not run |" in overview
     assert "| SGLang | `q8b-short` | not run |" not in overview  # it has a kept run
+
+
+def test_a_second_vllm_alone_process_is_shown_beside_the_token_check() -> None:
+    same = render_performance._same_tokens
+    assert same({"greedy_equal": True}) == "yes"
+    assert same({"greedy_equal": False, "second_baseline_equal": False}) == (
+        "no; vLLM alone again: no"
+    )
