@@ -170,6 +170,9 @@ def run_round(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from serve_multi_model import stop_on_sigterm  # benchmarks/, this script's folder
+
+    stop_on_sigterm()  # the servers lead sessions of their own: `finally` stops them
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])

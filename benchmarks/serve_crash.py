@@ -491,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, seed in MODELS.items()
     }
     # SIGTERM unwinds like Ctrl-C, so the server of the run in progress is stopped too
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from serve_multi_model import stop_on_sigterm  # benchmarks/, this script's folder
+
+    stop_on_sigterm()
     runs = []
     for number in range(1, args.runs + 1):
         run = one_run(number, config, models, args.logs)

@@ -397,6 +397,9 @@ def main() -> None:
     if a.child is not None:
         child(a)
         return
+    from serve_multi_model import stop_on_sigterm  # benchmarks/, this script's folder
+
+    stop_on_sigterm()  # the instances lead sessions of their own: `finally` stops them
     from kvcached.config import parse_size
 
     if a.device == "auto":
