@@ -51,3 +51,17 @@ def test_grow_bookkeeping_grows_and_releases_one_extent_a_round(
     assert summary["grow_us"] > 0 and summary["shrink_us"] > 0
     # a block is 16 tokens x 8 heads x 128 x 2 bytes = 32 KiB a buffer: 64 to a 2 MiB page
     assert summary["blocks"] == (extent_mib // 2) * 64
+
+
+def test_vmm_bookkeeping_times_kvcached_the_stand_ins_and_the_floor(tmp_path: Path) -> None:
+    rows = _lines("vmm_bookkeeping.py", "--rounds", "4", "--pages", "50", "--label", "probe",
+                  cwd=tmp_path)  # fmt: skip
+    rounds = [r for r in rows if "round" in r]
+    (summary,) = [r for r in rows if r.get("run") == "summary"]
+    assert len(rounds) == 4 and summary["label"] == "probe"
+    for key in ("map_us", "unmap_us", "stand_in_us", "floor_us"):
+        assert all(r[key] > 0 for r in rounds), key
+    # the summary's differences are the medians' (each round checks that its pages, of
+    # kvcached and of the floor alike, ended unmapped: it raises otherwise)
+    assert summary["added_us"] == round(summary["map+unmap_us"] - summary["stand_in_us"], 4)
+    assert summary["floor_added_us"] == round(summary["floor_us"] - summary["stand_in_us"], 4)
