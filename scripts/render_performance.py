@@ -1080,7 +1080,8 @@ SECTIONS = (
         " 24-pair run), vLLM differing from itself; in `q8b-short-v1` each side gave the same"
         " tokens in all 11 of its batches and the two sides differed (vLLM alone held 97,536 "
         "tokens of KV, kvcached's pool 290,816, no preemption on either side), with no third "
-        "process to say which one is the odd one: not settled (the folder's README).",
+        "process to say which one is the odd one: not settled (the folder's README; "
+        "`SECOND_BASELINE=1` on the sweep now adds that process, not run yet).",
         _vllm_sweep,
     ),
     Section(
