@@ -1776,8 +1776,8 @@ def render(results: Path = RESULTS, benchmarks: Path = ROOT / "benchmarks") -> s
         "## The sweep's cells at a glance",
         "",
         "Each cell of the per-configuration sweep (`scripts/vllm-gpu-run.sh sweep`, "
-        "`scripts/sglang-gpu-run.sh sweep`) with every run kept of it, newest sections "
-        "last; the cells' shapes and the runs' details are in the sweep sections below. "
+        "`scripts/sglang-gpu-run.sh sweep`) with every run kept of it, in the order of the "
+        "sweep sections below, which give the cells' shapes and the runs' details. "
         "SGLang's `q8b-long` row is the H200 run of that shape made before the sweep had "
         "cells.",
         "",
