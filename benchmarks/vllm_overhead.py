@@ -26,6 +26,11 @@ tokens, CUDA graphs on (no `--eager`), >= 20 pairs; `scripts/vllm-gpu-run.sh ove
 `--runners v1,v2` selects vLLM 0.26's Model Runner V1 or V2 (VLLM_USE_V2_MODEL_RUNNER);
 on vLLM-CPU pass `--runners cpu --eager --dtype float32` and small sizes.
 
+Each summary also says whether vLLM alone's KV pool held the whole batch
+(`baseline_pool_holds_batch`, from each engine's blocks and the batch's prompts and
+outputs in whole blocks): where it did not, vLLM alone preempted, and the ratio is
+vLLM under pressure rather than kvcached's overhead.
+
 `--second-baseline` settles what a token mismatch means: after the pairs, kvcached's
 engine stops and a second vLLM-alone process runs the batch twice. The summary's
 `second_baseline_equal` says whether vLLM alone gave its own first process's tokens;
@@ -83,7 +88,8 @@ def child(a: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
     spent = time_steps(llm) if a.step_times else None
-    print("READY " + json.dumps({"startup_s": round(time.perf_counter() - started, 2)}))
+    ready = {"startup_s": round(time.perf_counter() - started, 2), **pool_fit(llm, lengths, a)}
+    print("READY " + json.dumps(ready))
     for batch, command in enumerate(sys.stdin):
         if command.strip() != "go":
             break
@@ -110,6 +116,21 @@ def child(a: argparse.Namespace) -> None:
             result["steps"] = len(spent["step"])
             result["host_s"] = {part: round(sum(calls), 4) for part, calls in spent.items()}
         print("RESULT " + json.dumps(result), flush=True)
+
+
+def pool_fit(llm: Any, lengths: list[int], a: argparse.Namespace) -> dict[str, Any]:
+    """The engine's KV pool in tokens (its blocks times the block size) and the tokens of
+    KV the batch holds at its end (each sequence's prompt and output, whole blocks): a
+    pool of vLLM alone smaller than the batch preempts, and its throughput is then vLLM
+    under pressure, not the overhead. Empty where the engine keeps its cache config
+    elsewhere (the in-process `LLM`'s `vllm_config` on vLLM 0.26 and 0.32)."""
+    try:
+        cache = llm.llm_engine.vllm_config.cache_config
+        blocks, size = int(cache.num_gpu_blocks), int(cache.block_size)
+    except (AttributeError, TypeError):
+        return {}
+    need = sum(-(-(n + a.max_tokens) // size) for n in lengths) * size
+    return {"kv_tokens": blocks * size, "batch_kv_tokens": need}
 
 
 #: what `--step-times` times: the engine core's step, and the calls it makes
@@ -200,19 +221,22 @@ def measure(
 
     engines: dict[bool | None, Engine] = {}  # None: the second vLLM-alone process
     startup: dict[bool, float] = {}
+    pools: dict[bool, dict[str, Any]] = {}  # each side's pool_fit
     deadline = time.monotonic() + a.seconds if a.seconds else None
     try:
         for kvcached in (False, True):
             env = engine_env(a, runner, kvcached)
             engines[kvcached] = Engine([sys.executable, __file__, *forwarded], env, log)
-            startup[kvcached] = float(engines[kvcached].answer("READY ")["startup_s"])
+            ready = engines[kvcached].answer("READY ")
+            startup[kvcached] = float(ready["startup_s"])
+            pools[kvcached] = {k: ready[k] for k in ("kv_tokens", "batch_kv_tokens") if k in ready}
         for repeat in range(a.repeats):
             if deadline is not None and repeat >= 3 and time.monotonic() > deadline:
                 break  # a cell of a sweep keeps its summary within the device's time
             for kvcached in (False, True) if repeat % 2 == 0 else (True, False):
                 record: dict[str, Any] = {
                     "bench": "vllm_overhead", "runner": runner, "kvcached": kvcached,
-                    "repeat": repeat, "startup_s": startup[kvcached],
+                    "repeat": repeat, "startup_s": startup[kvcached], **pools[kvcached],
                 }  # fmt: skip
                 record.update(engines[kvcached].run_batch())
                 keep(record)
@@ -266,9 +290,14 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
     # to the device's drift (throughput moved up to 1.6x within a minute on the H200)
     pairs = pair_ratios(steady)
     baseline = {r["checksum"] for r in timed if not r["kvcached"]}
-    settled = {}
+    settled: dict[str, Any] = {}
     if second:  # --second-baseline: does vLLM alone agree with itself across processes?
         settled["second_baseline_equal"] = {r["checksum"] for r in second} == baseline
+    alone = next((r for r in timed if not r["kvcached"] and "kv_tokens" in r), None)
+    if alone is not None:  # vLLM alone's pool against the batch: pressure or not
+        settled["baseline_kv_tokens"] = alone["kv_tokens"]
+        settled["batch_kv_tokens"] = alone["batch_kv_tokens"]
+        settled["baseline_pool_holds_batch"] = alone["kv_tokens"] >= alone["batch_kv_tokens"]
     return {
         "bench": "vllm_overhead_summary",
         "runner": runner,

@@ -232,12 +232,21 @@ def _vllm_sweep(files: dict[str, Rows]) -> list[str]:
                  lengths, c["max_tokens"], c["extent_size"],
                  _round(row["tokens_per_s_vllm"], 1), _round(row["tokens_per_s_kvcached"], 1),
                  row["paired_ratio_median"], f"[{_g(low)}, {_g(high)}]", row["pairs"],
-                 row["verdict"], _same_tokens(row)]
+                 row["verdict"], _same_tokens(row), _pool_fit(row)]
             )  # fmt: skip
     header = ["cell", "model", "runner", "prompts", "prompt tokens", "new tokens", "extent",
               "vLLM tok/s", "kvcached tok/s", "paired ratio", "95 % interval", "pairs"]  # fmt: skip
     parts = _step_parts(files)
-    return _table([*header, "target", "same tokens"], body) + (["", *parts] if parts else [])
+    header += ["target", "same tokens", "batch KV / vLLM's pool (tokens)"]
+    return _table(header, body) + (["", *parts] if parts else [])
+
+
+def _pool_fit(row: dict[str, Any]) -> str:
+    """The batch's KV against vLLM alone's pool, where the summary recorded them (a pool
+    smaller than the batch preempts: pressure, not overhead)."""
+    if "baseline_kv_tokens" not in row:
+        return "not recorded"
+    return f"{row['batch_kv_tokens']:,} / {row['baseline_kv_tokens']:,}"
 
 
 #: the parts of an engine step kvcached's shims wrap on one GPU (its block pool, in the

@@ -1,7 +1,8 @@
-"""benchmarks/vllm_overhead.py's `--second-baseline` on the CPU machine, its engine
-processes stood in for (vLLM's start takes minutes here): the second vLLM-alone process
-starts only once kvcached's engine has stopped, its batches stay out of the pairs, and
-the summary says whether vLLM alone gave its own first process's tokens again."""
+"""benchmarks/vllm_overhead.py's summary on the CPU machine, its engine processes stood
+in for (vLLM's start takes minutes here): with `--second-baseline` the second vLLM-alone
+process starts only once kvcached's engine has stopped, its batches stay out of the
+pairs, and the summary says whether vLLM alone gave its own first process's tokens
+again; and every summary says whether vLLM alone's pool held the batch."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class FakeEngines:
         self.alone, self.kvcached = list(alone), kvcached
         self.live: list[Any] = []
         self.started: list[str] = []
+        self.pool = 8192  # vLLM alone's KV tokens
 
     def __call__(self, argv: list[str], env: dict[str, str], log: Any) -> Any:
         fakes = self
@@ -39,7 +41,8 @@ class FakeEngines:
             batches = 0
 
             def answer(self, prefix: str) -> dict[str, Any]:
-                return {"startup_s": 1.0}
+                return {"startup_s": 1.0, "kv_tokens": fakes.pool if not on else 10**7,
+                        "batch_kv_tokens": 4096}  # fmt: skip
 
             def run_batch(self) -> dict[str, Any]:
                 self.batches += 1
@@ -93,3 +96,28 @@ def test_without_the_option_no_second_process_starts(monkeypatch: pytest.MonkeyP
     summary = _run(monkeypatch, fakes, second=False)
     assert fakes.started == ["vllm", "kvcached"]
     assert "second_baseline_equal" not in summary
+
+
+@pytest.mark.parametrize(("pool", "holds"), [(8192, True), (4095, False)])
+def test_the_summary_says_whether_vllm_alones_pool_held_the_batch(
+    monkeypatch: pytest.MonkeyPatch, pool: int, holds: bool
+) -> None:
+    fakes = FakeEngines(alone=["aaaa"], kvcached="aaaa")
+    fakes.pool = pool
+    summary = _run(monkeypatch, fakes, second=False)
+    assert summary["baseline_kv_tokens"] == pool and summary["batch_kv_tokens"] == 4096
+    assert summary["baseline_pool_holds_batch"] is holds
+
+
+def test_the_batch_is_counted_in_whole_blocks() -> None:
+    class Cache:
+        num_gpu_blocks, block_size = 100, 16
+
+    llm = type("LLM", (), {})()
+    llm.llm_engine = type(
+        "Engine", (), {"vllm_config": type("Config", (), {"cache_config": Cache})}
+    )
+    a = argparse.Namespace(max_tokens=5)
+    # 10 + 5 tokens take one block of 16, 20 + 5 take two
+    assert vllm_overhead.pool_fit(llm, [10, 20], a) == {"kv_tokens": 1600, "batch_kv_tokens": 48}
+    assert vllm_overhead.pool_fit(object(), [10], a) == {}  # no cache config: no claim
