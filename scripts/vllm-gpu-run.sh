@@ -32,7 +32,8 @@
 #              calls), REPEATS (11) alternating batches each, fewer where a cell's pairs
 #              would pass CELL_S (420) less 30 s, into $OUT/sweep.jsonl, each summary
 #              with its `config` (label, model, lengths, extent size, runner) and, per
-#              side, the median seconds a batch spent in each part of the engine's steps;
+#              side, the median seconds a batch spent in each part of the engine's steps,
+#              and whether vLLM alone's KV pool held the batch (else it is pressure);
 #              SECOND_BASELINE=1 then starts a second vLLM-alone process (SECOND_BASELINE_S,
 #              150 s, kept for it) whose tokens say whether vLLM agrees with itself
 #   connectors benchmarks/vllm_connectors.py --device gpu on /tmp/m-q06, the trials of
