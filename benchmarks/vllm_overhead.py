@@ -130,7 +130,7 @@ def pool_fit(llm: Any, lengths: list[int], a: argparse.Namespace) -> dict[str, A
     except (AttributeError, TypeError):
         return {}
     need = sum(-(-(n + a.max_tokens) // size) for n in lengths) * size
-    return {"kv_tokens": blocks * size, "batch_kv_tokens": need}
+    return {"pool_tokens": blocks * size, "batch_kv_tokens": need}
 
 
 #: what `--step-times` times: the engine core's step, and the calls it makes
@@ -220,23 +220,20 @@ def measure(
             out.flush()
 
     engines: dict[bool | None, Engine] = {}  # None: the second vLLM-alone process
-    startup: dict[bool, float] = {}
-    pools: dict[bool, dict[str, Any]] = {}  # each side's pool_fit
+    ready: dict[bool, dict[str, Any]] = {}  # each side's start-up time and pool_fit
     deadline = time.monotonic() + a.seconds if a.seconds else None
     try:
         for kvcached in (False, True):
             env = engine_env(a, runner, kvcached)
             engines[kvcached] = Engine([sys.executable, __file__, *forwarded], env, log)
-            ready = engines[kvcached].answer("READY ")
-            startup[kvcached] = float(ready["startup_s"])
-            pools[kvcached] = {k: ready[k] for k in ("kv_tokens", "batch_kv_tokens") if k in ready}
+            ready[kvcached] = engines[kvcached].answer("READY ")
         for repeat in range(a.repeats):
             if deadline is not None and repeat >= 3 and time.monotonic() > deadline:
                 break  # a cell of a sweep keeps its summary within the device's time
             for kvcached in (False, True) if repeat % 2 == 0 else (True, False):
                 record: dict[str, Any] = {
                     "bench": "vllm_overhead", "runner": runner, "kvcached": kvcached,
-                    "repeat": repeat, "startup_s": startup[kvcached], **pools[kvcached],
+                    "repeat": repeat, **ready[kvcached],
                 }  # fmt: skip
                 record.update(engines[kvcached].run_batch())
                 keep(record)
@@ -244,11 +241,11 @@ def measure(
             engines.pop(True).stop()  # its memory goes back before another engine starts
             env = engine_env(a, runner, kvcached=False)
             second = engines[None] = Engine([sys.executable, __file__, *forwarded], env, log)
-            started = float(second.answer("READY ")["startup_s"])
+            ready_second = second.answer("READY ")
             for repeat in range(2):
                 record = {
                     "bench": "vllm_overhead", "runner": runner, "kvcached": False,
-                    "second_baseline": True, "repeat": repeat, "startup_s": started,
+                    "second_baseline": True, "repeat": repeat, **ready_second,
                 }  # fmt: skip
                 record.update(second.run_batch())
                 keep(record)
@@ -293,11 +290,11 @@ def summarize(runner: str, mine: list[dict[str, Any]]) -> dict[str, Any] | None:
     settled: dict[str, Any] = {}
     if second:  # --second-baseline: does vLLM alone agree with itself across processes?
         settled["second_baseline_equal"] = {r["checksum"] for r in second} == baseline
-    alone = next((r for r in timed if not r["kvcached"] and "kv_tokens" in r), None)
+    alone = next((r for r in timed if not r["kvcached"] and "pool_tokens" in r), None)
     if alone is not None:  # vLLM alone's pool against the batch: pressure or not
-        settled["baseline_kv_tokens"] = alone["kv_tokens"]
+        settled["baseline_pool_tokens"] = alone["pool_tokens"]
         settled["batch_kv_tokens"] = alone["batch_kv_tokens"]
-        settled["baseline_pool_holds_batch"] = alone["kv_tokens"] >= alone["batch_kv_tokens"]
+        settled["baseline_pool_holds_batch"] = alone["pool_tokens"] >= alone["batch_kv_tokens"]
     return {
         "bench": "vllm_overhead_summary",
         "runner": runner,

@@ -207,12 +207,9 @@ def _same_tokens(row: dict[str, Any]) -> str:
     `--second-baseline` whether a second vLLM-alone process gave vLLM alone's tokens
     again (where it did not, vLLM differs from itself and the first says nothing)."""
 
-    def word(flag: Any) -> str:
-        return "yes" if flag is True else "no" if flag is False else str(flag)
-
-    text = word(row["greedy_equal"])
+    text = _g(row["greedy_equal"])
     if "second_baseline_equal" in row:
-        text += f"; vLLM alone again: {word(row['second_baseline_equal'])}"
+        text += f"; vLLM alone again: {_g(row['second_baseline_equal'])}"
     return text
 
 
@@ -242,11 +239,12 @@ def _vllm_sweep(files: dict[str, Rows]) -> list[str]:
 
 
 def _pool_fit(row: dict[str, Any]) -> str:
-    """The batch's KV against vLLM alone's pool, where the summary recorded them (a pool
-    smaller than the batch preempts: pressure, not overhead)."""
-    if "baseline_kv_tokens" not in row:
+    """The batch's KV against the engine alone's pool, where an overhead summary recorded
+    them (vllm_overhead.py, sglang_overhead.py): a pool smaller than the batch preempts or
+    retracts, which is pressure, not overhead."""
+    if "baseline_pool_tokens" not in row:
         return "not recorded"
-    return f"{row['batch_kv_tokens']:,} / {row['baseline_kv_tokens']:,}"
+    return f"{_g(row['batch_kv_tokens'])} / {_g(row['baseline_pool_tokens'])}"
 
 
 #: the parts of an engine step kvcached's shims wrap on one GPU (its block pool, in the
@@ -432,14 +430,9 @@ def _sglang_sweep(files: dict[str, Rows]) -> list[str]:
             low, high = row["paired_ratio_ci95"]
             lengths = "-".join(f"{n:,}" for n in dict.fromkeys(c["prompt_len"]))
             tok = row["median_out_tok_per_s"]
-            pool = (
-                f"{row['batch_kv_tokens']:,} / {row['baseline_pool_tokens']:,}"
-                if "baseline_pool_tokens" in row
-                else "not recorded"
-            )
             body.append(
                 [f"`{_sweep_cell(c['label'], name)}`", Path(c["model"]).name, c["prompts"],
-                 lengths, c["max_tokens"], c["extent_size"], pool, _round(tok["off"], 1),
+                 lengths, c["max_tokens"], c["extent_size"], _pool_fit(row), _round(tok["off"], 1),
                  _round(tok["on"], 1), row["paired_ratio_median"], f"[{_g(low)}, {_g(high)}]",
                  row["pairs"], row["verdict"], row["equal"],
                  f"{_g(startup.get('on'))} / {_g(startup.get('off'))}"]
@@ -1700,6 +1693,12 @@ def _summary_line(script: Path) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
+def _is_overhead_summary(row: dict[str, Any]) -> bool:
+    """A summary line of an overhead benchmark: `vllm_overhead.py`'s (and the other
+    benchmarks' `*_summary` lines) or `sglang_overhead.py`'s `summary` step."""
+    return bool(row.get("bench", "").endswith("_summary") or row.get("step") == "summary")
+
+
 #: runs kept before the sweep had cells, with the shape of a cell: listed under it
 SAME_SHAPE_RUNS = {("SGLang", "q8b-long"): "h200-2026-12-03/sglang_overhead_8b.jsonl"}
 
@@ -1741,10 +1740,7 @@ def _cells_overview(results: Path) -> list[str]:
         engine = "vLLM" if section.table is _vllm_sweep else "SGLang"
         for name in section.files:
             for row in load(results / name):
-                summary = row.get("bench") == "vllm_overhead_summary" or (
-                    row.get("step") == "summary"
-                )
-                if summary and (row.get("config") or {}).get("label"):
+                if _is_overhead_summary(row) and (row.get("config") or {}).get("label"):
                     add(engine, row["config"]["label"], name, row)
     for (engine, cell), name in SAME_SHAPE_RUNS.items():
         for row in load(results / name):
@@ -1853,7 +1849,7 @@ def overhead_points(results: Path = RESULTS) -> list[tuple[str, float, float, fl
         for name in section.files:
             for row in load(results / name):
                 ci = row.get("paired_ratio_ci95")
-                if not (row.get("bench", "").endswith("_summary") or row.get("step") == "summary"):
+                if not _is_overhead_summary(row):
                     continue
                 if not ci or row.get("paired_ratio_median") is None:
                     continue

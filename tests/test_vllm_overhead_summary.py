@@ -41,7 +41,7 @@ class FakeEngines:
             batches = 0
 
             def answer(self, prefix: str) -> dict[str, Any]:
-                return {"startup_s": 1.0, "kv_tokens": fakes.pool if not on else 10**7,
+                return {"startup_s": 1.0, "pool_tokens": fakes.pool if not on else 10**7,
                         "batch_kv_tokens": 4096}  # fmt: skip
 
             def run_batch(self) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def test_the_summary_says_whether_vllm_alones_pool_held_the_batch(
     fakes = FakeEngines(alone=["aaaa"], kvcached="aaaa")
     fakes.pool = pool
     summary = _run(monkeypatch, fakes, second=False)
-    assert summary["baseline_kv_tokens"] == pool and summary["batch_kv_tokens"] == 4096
+    assert summary["baseline_pool_tokens"] == pool and summary["batch_kv_tokens"] == 4096
     assert summary["baseline_pool_holds_batch"] is holds
 
 
@@ -119,5 +119,5 @@ def test_the_batch_is_counted_in_whole_blocks() -> None:
     )
     a = argparse.Namespace(max_tokens=5)
     # 10 + 5 tokens take one block of 16, 20 + 5 take two
-    assert vllm_overhead.pool_fit(llm, [10, 20], a) == {"kv_tokens": 1600, "batch_kv_tokens": 48}
+    assert vllm_overhead.pool_fit(llm, [10, 20], a) == {"pool_tokens": 1600, "batch_kv_tokens": 48}
     assert vllm_overhead.pool_fit(object(), [10], a) == {}  # no cache config: no claim
