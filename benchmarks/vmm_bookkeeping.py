@@ -14,12 +14,18 @@ lock, calls the backend's own per-page driver closures and records the mapping i
 dict, with no check at all. `floor_added_us` is its cost over the stand-in calls, so
 `added_us - floor_added_us` is what kvcached's checks and books cost beyond that floor.
 
+`--calls compiled` makes the per-page calls the way a GPU machine with the C module
+makes them (`kvcached.backends.cuda._vmm_calls`): the stand-ins are then C functions that
+return 0 at once (libm's `fegetround`, which reads no argument and answers FE_TONEAREST,
+0 on x86-64 and arm64), and the direct calls and the floor go through the same module.
+
 Prints one JSON line per round and a summary line with the medians:
 
     {"bench": "vmm_bookkeeping", "run": "summary", "map_us": 0.9, "unmap_us": 0.6,
      "map+unmap_us": 1.5, "stand_in_us": 0.18, "label": "...", ...}
 
     python benchmarks/vmm_bookkeeping.py [--rounds 40] [--pages 2000] [--label NAME]
+        [--calls bindings|compiled]
 
 To compare two trees, run it from each in turn (fresh processes, alternating) with
 `--label`, and compare the summaries' `added_us`.
@@ -54,16 +60,39 @@ def _cu_mem_unmap(address: int, nbytes: int) -> tuple[int]:
     return _DONE
 
 
-def deviceless_cuda_backend(granularity: int = 2 * MiB) -> CudaBackend:
-    """A CudaBackend whose per-page driver calls are the stand-ins above. Only `map`,
-    `unmap` and the bookkeeping behind them may be used: nothing else is set up."""
+def c_stand_in() -> int:
+    """The address of a C function that returns 0 whatever it is passed (see the top)."""
+    import ctypes
+
+    address = ctypes.cast(ctypes.CDLL(None).fegetround, ctypes.c_void_p).value
+    if not address or ctypes.CDLL(None).fegetround() != SUCCESS:
+        raise SystemExit("no C stand-in here: libm's fegetround is missing or not 0")
+    return address
+
+
+def deviceless_cuda_backend(granularity: int = 2 * MiB, *, compiled: bool = False) -> CudaBackend:
+    """A CudaBackend whose per-page driver calls are the stand-ins above (`compiled`: C
+    stand-ins called through the C module). Only `map`, `unmap` and the bookkeeping
+    behind them may be used: nothing else is set up."""
     backend = CudaBackend.__new__(CudaBackend)
     Backend.__init__(backend)
     backend._granularity = granularity
+    backend._ordinal = 0
     backend._success = SUCCESS
     backend._no_context = -1  # never returned by the stand-ins
     backend._access = [object()]
     backend._bind_per_page_calls(_cu_mem_map, _cu_mem_set_access, _cu_mem_unmap)
+    if compiled:
+        from types import SimpleNamespace
+
+        backend._driver = SimpleNamespace(  # the two enums _bind_compiled_calls reads
+            CUmemLocationType=SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1),
+            CUmemAccess_flags=SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3),
+        )
+        stand_in = c_stand_in()
+        how = backend._bind_compiled_calls((stand_in, stand_in, stand_in))
+        if how != "compiled":
+            raise SystemExit(f"--calls compiled: {how}")
     return backend
 
 
@@ -73,8 +102,17 @@ def one_round(backend: CudaBackend, pages: int, stand_in_first: bool) -> dict[st
     reservation = Reservation(backend, 1 << 40, size * pages)
     made = [Page(backend, i, size) for i in range(pages)]
     access = backend._access
+    compiled = backend._map_one.__class__ is not _cu_mem_map.__class__
 
     def direct() -> float:
+        if compiled:  # the same C calls, one crossing a map and one an unmap
+            map_one, unmap_one = backend._map_one, backend._unmap_one
+            start = time.perf_counter_ns()
+            for i in range(pages):
+                map_one(i * size, made[i])
+            for i in range(pages):
+                unmap_one(i * size, size)
+            return (time.perf_counter_ns() - start) / pages / 1e3
         start = time.perf_counter_ns()
         for i in range(pages):
             (err,) = _cu_mem_map(i * size, size, 0, i, 0)
@@ -149,9 +187,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--pages", type=int, default=2000, help="pages per round")
     parser.add_argument("--label", default="", help="names this tree in the output")
+    parser.add_argument(
+        "--calls", choices=("bindings", "compiled"), default="bindings",
+        help="the per-page calls' form: Python closures (as over cuda.bindings) or the C module",
+    )  # fmt: skip
     args = parser.parse_args()
 
-    backend = deviceless_cuda_backend()
+    backend = deviceless_cuda_backend(compiled=args.calls == "compiled")
     one_round(backend, 200, False)  # warm-up
     rounds = []
     for number in range(args.rounds):
@@ -172,6 +214,7 @@ def main() -> None:
                 "bench": "vmm_bookkeeping",
                 "run": "summary",
                 "label": args.label,
+                "calls": args.calls,
                 "rounds": args.rounds,
                 "pages": args.pages,
                 **summary,

@@ -18,6 +18,14 @@ paired against themselves exactly as they are paired against kvcached, on two ra
 A control ratio away from 1.0 is what the pairing itself reads (the address range, the
 order), and the kvcached rows are only as exact as it is.
 
+On CUDA, where kvcached makes its per-page calls from C (`per_page_calls: compiled` in
+every row), a second baseline follows: `"baseline": "compiled calls"` rows pair kvcached
+with the same C calls made directly (`VmmCalls`, one crossing from Python a map and one
+an unmap, with none of kvcached's checks or books). The first baseline answers what a
+page costs through kvcached against calling the driver through cuda.bindings; the
+second, what kvcached's own Python adds on top of the cheapest call Python can make.
+`KVCACHED_COMPILED_CALLS=0` runs kvcached on cuda.bindings, as before the C module.
+
     python benchmarks/vmm_ops.py [--backend cuda|host] [--rounds 7] [--pages 64]
 """
 
@@ -81,6 +89,56 @@ class RawCuda:
     def release(self, handle: Any, nbytes: int) -> None:
         (err,) = self.d.cuMemRelease(handle)
         assert err == self.ok, err
+
+
+class RawPage:
+    """What `VmmCalls.map` reads of a page: its handle and its size."""
+
+    __slots__ = ("handle", "nbytes")
+
+    def __init__(self, handle: Any, nbytes: int) -> None:
+        self.handle, self.nbytes = handle, nbytes
+
+
+class RawCompiledCuda(RawCuda):
+    """RawCuda with map and unmap made by kvcached's C module directly: the driver's
+    entry points, one Python-to-C crossing each, and nothing of kvcached around them."""
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__(backend)
+        from kvcached.backends.cuda.compiled import compiled_calls, loaded_driver_entry_points
+
+        entry_points = loaded_driver_entry_points()
+        if isinstance(entry_points, str):
+            raise SystemExit(f"compiled calls: {entry_points}")
+        calls = compiled_calls(entry_points, _access_triple(self.d, backend), self._failed)
+        if isinstance(calls, str):
+            raise SystemExit(f"compiled calls: {calls}")
+        self.calls = calls
+
+    @staticmethod
+    def _failed(api: str, result: int, address: int, what: Any) -> None:
+        raise AssertionError(f"{api} failed: {result}")
+
+    def create(self, nbytes: int) -> Any:
+        return RawPage(super().create(nbytes), nbytes)
+
+    def map(self, address: int, nbytes: int, handle: Any) -> None:
+        self.calls.map(address, handle)
+
+    def unmap(self, address: int, nbytes: int) -> None:
+        self.calls.unmap(address, nbytes)
+
+    def release(self, handle: Any, nbytes: int) -> None:
+        super().release(handle.handle, nbytes)
+
+
+def _access_triple(driver: Any, backend: Any) -> tuple[int, int, int]:
+    return (
+        int(driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE),
+        backend._ordinal,
+        int(driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
+    )
 
 
 class RawHost:
@@ -310,6 +368,9 @@ def main() -> None:
     if backend.name not in RAW_DRIVERS:
         raise SystemExit(f"no raw-driver baseline for backend {backend.name!r}")
     raw = RAW_DRIVERS[backend.name](backend)
+    per_page_calls = backend.describe().get("per_page_calls")
+    # the second baseline, where kvcached itself makes its per-page calls from C
+    raw_compiled = RawCompiledCuda(backend) if per_page_calls == "compiled" else None
     g = backend.granularity
     for size_mib in (int(s) for s in args.sizes_mib.split(",")):
         size = size_mib * MiB
@@ -319,10 +380,12 @@ def main() -> None:
 
         ours = functools.partial(KvcachedSide, backend, size)
         theirs = functools.partial(RawSide, raw, g, size)
+        direct_c = functools.partial(RawSide, raw_compiled, g, size) if raw_compiled else None
 
         paired_round(ours, theirs, 8, False)  # warm-up both paths
         samples: dict[str, list[tuple[float, float]]] = {}
         control: dict[str, list[tuple[float, float]]] = {}
+        against_c: dict[str, list[tuple[float, float]]] = {}
         batches: dict[str, list[float]] = {}
         for round_ in range(args.rounds):
             flip = round_ % 2 == 1
@@ -332,10 +395,15 @@ def main() -> None:
             # what the pairing reads when both sides run the same code
             for op, pairs in paired_round(theirs, theirs, pages, flip).items():
                 control.setdefault(op, []).extend(pairs)
+            if direct_c is not None:
+                for op, pairs in paired_round(ours, direct_c, pages, flip).items():
+                    against_c.setdefault(op, []).extend(pairs)
             for op, us in batch_round(backend, size, pages).items():
                 batches.setdefault(op, []).append(us)
         _with_sum(samples)
         _with_sum(control)
+        if against_c:
+            _with_sum(against_c)
         rows = {op: [a for a, _ in pairs] for op, pairs in samples.items()}
         raws = {op: [b for _, b in pairs] for op, pairs in samples.items()}
         rows.update(batches)
@@ -349,6 +417,7 @@ def main() -> None:
             "backend": backend.name,
             "device": backend.device,
             "page_mib": size_mib,
+            "per_page_calls": per_page_calls,
         }
         for op in (*OPS, "map+unmap", "map_many", "unmap_many", "batch map+unmap"):
             mine, theirs_us = statistics.median(rows[op]), statistics.median(raws[op])
@@ -358,6 +427,7 @@ def main() -> None:
                 "kvcached_us": round(mine, 2),
                 "raw_us": round(theirs_us, 2),
                 "ratio": round(mine / theirs_us, 3) if theirs_us else None,
+                "baseline": "cuda.bindings" if backend.name == "cuda" else "raw calls",
                 "samples": len(rows[op]),
                 "pages": pages,
                 "rounds": args.rounds,
@@ -367,6 +437,23 @@ def main() -> None:
             if op == "map+unmap":
                 low, high = row["paired_ratio_ci95"]
                 row["target"] = f"paired ratio's 95 % interval <= {TARGET}"
+                row["verdict"] = _target_verdict(low, high)
+            print(json.dumps(row), flush=True)
+        for op in INTERVAL_OPS if against_c else ():
+            mine = statistics.median(x for x, _ in against_c[op])
+            theirs_us = statistics.median(y for _, y in against_c[op])
+            row = {
+                **common,
+                "op": op,
+                "baseline": "compiled calls",
+                "kvcached_us": round(mine, 2),
+                "raw_us": round(theirs_us, 2),
+                "ratio": round(mine / theirs_us, 3) if theirs_us else None,
+                "samples": len(against_c[op]),
+                **pair_interval(against_c[op]),
+            }
+            if op == "map+unmap":
+                low, high = row["paired_ratio_ci95"]
                 row["verdict"] = _target_verdict(low, high)
             print(json.dumps(row), flush=True)
         for op in INTERVAL_OPS:

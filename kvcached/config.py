@@ -235,6 +235,11 @@ def _settings_class() -> type[BaseSettings]:
             description="mlx backend: build pages over kvcached's own 16 KiB-aligned mmap "
             "region without a copy (needs Metal; refused where MLX must copy, e.g. Linux).",
         )
+        compiled_calls: bool = Field(
+            default=True,
+            description="cuda backend: make the per-page driver calls from kvcached's C "
+            "module where it was built ('0': every call through cuda.bindings).",
+        )
         extent_size: str = Field(
             default="32MiB",
             description="Physical page size the allocator grows by, per layer buffer (K or "

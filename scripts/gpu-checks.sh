@@ -3,7 +3,9 @@
 # Installs kvcached from this tree plus the wheels in .whl/ (dependencies the GPU
 # machine lacks; see docs/gpu-testing.md) into /tmp/site, then runs the chosen steps
 # and writes logs and JSON figures to $OUT (or ./gpu-out).
-#   bash scripts/gpu-checks.sh [cuda] [tests] [rocm] [bench] [all]
+#   bash scripts/gpu-checks.sh [cuda] [tests] [rocm] [bench] [calls] [all]
+# `calls` (also part of `bench`) times the per-page path both ways: kvcached's C calls
+# (the default where the module built) and cuda.bindings (KVCACHED_COMPILED_CALLS=0).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$repo/gpu-out}
@@ -45,8 +47,16 @@ for step in "${@:-all}"; do
         ) 2>&1 | tee "$out/conformance-rocm.txt" || status=1
         run pytest_gpu -m gpu "$repo/tests/test_rocm_standin.py" \
             "$repo/tests/test_rocm_conformance.py" 2>&1 | tee -a "$out/gpu-tests.txt" ;;&
-    bench | all)
+    calls | bench | all)
+        run python3 -m kvcached.apps.cli info --json | tee "$out/info.json"
         run python3 "$repo/benchmarks/vmm_ops.py" --backend cuda | tee "$out/vmm_ops.jsonl"
+        KVCACHED_COMPILED_CALLS=0 run python3 "$repo/benchmarks/vmm_ops.py" --backend cuda \
+            | tee "$out/vmm_ops_bindings.jsonl"
+        for calls in bindings compiled bindings compiled; do
+            run python3 "$repo/benchmarks/vmm_bookkeeping.py" --label "$(hostname)" \
+                --calls $calls | tail -n 1
+        done | tee "$out/vmm_bookkeeping_calls.jsonl" ;;&
+    bench | all)
         run python3 "$repo/benchmarks/parallel_map.py" --backend cuda \
             | tee "$out/parallel_map.jsonl"
         run python3 "$repo/benchmarks/grow_shrink.py" --backend cuda | tee "$out/grow_shrink.jsonl"

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcached.backend import Backend, Page
+from kvcached.backends.cuda.compiled import compiled_calls, loaded_driver_entry_points
 from kvcached.backends.cuda.detect import cuda_unavailable_reason
 from kvcached.config import settings
 from kvcached.errors import BackendUnavailable, DriverError, InvalidArgument, OutOfMemory
@@ -94,6 +95,11 @@ class CudaBackend(Backend):
         self._success = driver.CUresult.CUDA_SUCCESS
         self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         self._bind_per_page_calls(driver.cuMemMap, driver.cuMemSetAccess, driver.cuMemUnmap)
+        self._per_page_calls = (
+            self._bind_compiled_calls(loaded_driver_entry_points())
+            if settings().compiled_calls
+            else "cuda.bindings (KVCACHED_COMPILED_CALLS=0)"
+        )
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -162,6 +168,7 @@ class CudaBackend(Backend):
             "cuDeviceGetAttribute",
         )
         info["compute_capability"] = f"{major}.{minor}"
+        info["per_page_calls"] = self._per_page_calls
         version = int(self._check(driver.cuDriverGetVersion(), "cuDriverGetVersion"))
         info["versions"] = {
             "cuda_driver_api": f"{version // 1000}.{version % 1000 // 10}",
@@ -257,6 +264,47 @@ class CudaBackend(Backend):
 
         self._map_one = map_one  # type: ignore[method-assign]
         self._unmap_one = unmap_one  # type: ignore[method-assign]
+
+    def _bind_compiled_calls(self, entry_points: tuple[int, int, int] | str) -> str:
+        """Make `_map_one` and `_unmap_one` the C module's calls into `entry_points` (the
+        driver's cuMemMap, cuMemSetAccess, cuMemUnmap), keeping the cuda.bindings
+        closures for the retry after CUDA_ERROR_INVALID_CONTEXT. Returns what the
+        per-page path now is, with the reason when it stays on cuda.bindings.
+
+        With the same bookkeeping around them, the C calls took kvcached's map+unmap
+        from X to Y of the raw cuda.bindings calls on an H100 (see docs/performance.md)."""
+        if isinstance(entry_points, str):
+            return f"cuda.bindings ({entry_points})"
+        driver = self._driver
+        access = (
+            int(driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE),
+            self._ordinal,
+            int(driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
+        )
+        calls = compiled_calls(entry_points, access, self._compiled_call_failed)
+        if isinstance(calls, str):
+            return f"cuda.bindings ({calls})"
+        self._bindings_map_one, self._bindings_unmap_one = self._map_one, self._unmap_one
+        self._map_one = calls.map  # type: ignore[method-assign]
+        self._unmap_one = calls.unmap  # type: ignore[method-assign]
+        return "compiled"
+
+    def _compiled_call_failed(self, api: str, result: int, address: int, what: Any) -> None:
+        """`VmmCalls`' answer to a failed driver call (`what` is the page for a map, the
+        byte count for an unmap; a map whose access grant failed is already undone).
+        Like the closures: retry once through cuda.bindings when the thread had no
+        current context, else raise kvcached's error for the call."""
+        try:
+            err = self._driver.CUresult(result)
+        except ValueError:  # a code this cuda.bindings does not know
+            err = result
+        if err != self._no_context:
+            self._raise(err, api)
+        self._make_current()
+        if api == "cuMemUnmap":
+            self._bindings_unmap_one(address, what)
+        else:
+            self._bindings_map_one(address, what)
 
     def _unmap_batch(self, ranges: Sequence[tuple[int, int]]) -> None:
         self._make_current()
