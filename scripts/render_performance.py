@@ -70,8 +70,9 @@ def _table(header: list[str], body: list[list[Any]]) -> list[str]:
 # ---------------------------------------------------------------------------- tables
 def _vmm_ops(files: dict[str, Rows]) -> list[str]:
     (everything,) = files.values()
-    rows = [row for row in everything if "control" not in row]
+    rows = [row for row in everything if "control" not in row and not _against_c(row)]
     controls = [row for row in everything if "control" in row]
+    against_c = [row for row in everything if _against_c(row)]
     sizes = sorted({row["page_mib"] for row in rows})
     ops = list(dict.fromkeys(row["op"] for row in rows))
     body = []
@@ -90,8 +91,11 @@ def _vmm_ops(files: dict[str, Rows]) -> list[str]:
               "same way (the control: what the pairing reads when both sides run the same "
               "code)."]  # fmt: skip
     body = []
+    sources = [("kvcached / raw", paired), ("control: raw / raw", controls)]
+    if against_c:  # kvcached made its per-page calls from C: the second baseline
+        sources.insert(1, ("kvcached / the C calls direct", against_c))
     for op in INTERVAL_OPS:
-        for kind, source in (("kvcached / raw", paired), ("control: raw / raw", controls)):
+        for kind, source in sources:
             cells = [f"`{op}`", kind]
             for size in sizes:
                 (row,) = (r for r in source if r["op"] == op and r["page_mib"] == size)
@@ -103,6 +107,35 @@ def _vmm_ops(files: dict[str, Rows]) -> list[str]:
 
 
 INTERVAL_OPS = ("map", "unmap", "map+unmap")
+
+
+def _against_c(row: dict[str, Any]) -> bool:
+    """A `vmm_ops.py` row of the second baseline: kvcached against its C calls made
+    directly (written where kvcached itself made its per-page calls from C)."""
+    return bool(row.get("baseline") == "compiled calls")
+
+
+def _vmm_ops_calls(files: dict[str, Rows]) -> list[str]:
+    """map+unmap per page, one row per file and baseline: which per-page path kvcached
+    took (`per_page_calls`), against what, and the paired median with its interval and
+    verdict at each page size."""
+    body = []
+    sizes: list[int] = []
+    for name, rows in files.items():
+        mine = [r for r in rows if r.get("op") == "map+unmap" and "control" not in r]
+        sizes = sorted({r["page_mib"] for r in mine})
+        for baseline in dict.fromkeys(r.get("baseline", "cuda.bindings") for r in mine):
+            cells: list[Any] = [f"`{Path(name).name}`", mine[0].get("per_page_calls"),
+                                baseline]  # fmt: skip
+            for size in sizes:
+                (row,) = (r for r in mine if r["page_mib"] == size
+                          and r.get("baseline", "cuda.bindings") == baseline)  # fmt: skip
+                low, high = row["paired_ratio_ci95"]
+                cells.append(f"{_g(row['paired_ratio_median'])} [{_g(low)}, {_g(high)}] "
+                             f"{row['verdict']}")  # fmt: skip
+            body.append(cells)
+    header = ["file", "kvcached's per-page calls", "against", *(f"{s} MiB" for s in sizes)]
+    return _table(header, body)
 
 
 def _grow_shrink(files: dict[str, Rows]) -> list[str]:
@@ -721,8 +754,13 @@ def _runs_by_label(files: dict[str, Rows]) -> Iterator[tuple[str, str, Rows]]:
     """(file, label, that label's summary lines) of files whose runs name their tree."""
     for name, rows in files.items():
         runs = [r for r in rows if r.get("run") == "summary"]
-        for label in dict.fromkeys(r["label"] for r in runs):
-            yield name, label, [r for r in runs if r["label"] == label]
+        for label in dict.fromkeys(map(_run_label, runs)):
+            yield name, label, [r for r in runs if _run_label(r) == label]
+
+
+def _run_label(row: dict[str, Any]) -> str:
+    """A run's tree label, with the per-page calls' form where the run chose one."""
+    return f"{row['label']}, {row['calls']} calls" if "calls" in row else str(row["label"])
 
 
 def _vmm_bookkeeping(files: dict[str, Rows]) -> list[str]:
@@ -1123,6 +1161,50 @@ SECTIONS = (
         _sglang_sweep,
     ),
     Section(
+        "The per-configuration sweep on an H200: vLLM cells run again (2026-12-06)",
+        "benchmarks/vllm_overhead.py",
+        ("h200-2026-12-06/vllm_sweep_q8b_short.jsonl", "h200-2026-12-06/vllm_sweep_q06_long.jsonl"),
+        "vLLM 0.26, `scripts/vllm-gpu-run.sh sweep` at commit af6464f, one H200: "
+        "`SECOND_BASELINE=1 CELL_S=505 SWEEP_CELLS=q8b-short-v1` and `REPEATS=14 CELL_S=560 "
+        "SWEEP_CELLS=q06-long-v1`. The Qwen3-8B short-request cell meets the target, "
+        "0.9982 [0.9924, 1.0006] over 10 pairs, with vLLM alone's tokens in every batch, "
+        "and a second vLLM-alone process started after kvcached's engine stopped gave "
+        "them too (`second_baseline_equal`). The H100's run of this cell gave other "
+        "tokens than vLLM alone; that machine was not run again, so whether its "
+        "difference was vLLM alone's own is still unmeasured there. The 0.6B "
+        "long-prompt cell stays undecided over 13 pairs (1.0145 [0.9691, 1.0308], pairs "
+        "from 0.92 to 1.05): a 0.6B model's batch is host-bound here. vLLM alone's pool "
+        "held each batch; no preemption in either log.",
+        _vllm_sweep,
+    ),
+    Section(
+        "The per-configuration sweep on an H200: SGLang's 2 MiB cell (2026-12-06)",
+        "benchmarks/sglang_overhead.py",
+        (
+            "h200-2026-12-06/sglang_sweep_q06_long_2mib.jsonl",
+            "h200-2026-12-06/sglang_sweep_q06_long_2mib_first.jsonl",
+        ),
+        "SGLang 0.5.16, `REPEATS=14 CELL_S=550 SWEEP_CELLS=q06-long-2MiB bash "
+        "scripts/sglang-gpu-run.sh sweep` at commit af6464f, one H200: 2 MiB extents meet "
+        "the target on long prompts, 0.9957 [0.9926, 1.0037] over 14 pairs, the same "
+        "tokens in every batch. The first attempt (`_first`, `CELL_S=330`) stopped at 6 "
+        "pairs, too few to decide.",
+        _sglang_sweep,
+    ),
+    Section(
+        "Growing KV capacity, H200, per-page calls from C (2026-12-06)",
+        "benchmarks/grow_shrink.py",
+        ("h200-2026-12-06/grow_shrink_cuda.jsonl",),
+        "`bash scripts/gpu-checks.sh bench` at commit af6464f, after the vLLM and SGLang "
+        "runs on the same machine, whose driver calls read slower by then (map+unmap 58-67 "
+        "µs against 42-56 in the first call). A 72-handle step through the allocator takes "
+        "2.74 ms/GiB at 32 MiB extents and 1.45-1.47 at 64 MiB, against 2.31 and 1.17 for "
+        "the driver in place: the growth target (1 ms/GiB) is missed on this machine, "
+        "where the driver alone misses it too, and kvcached adds 0.97-1.3 ms a step "
+        "(its stubbed Python: 0.43 ms, `grow_bookkeeping.jsonl`).",
+        _grow_shrink,
+    ),
+    Section(
         "VMM operations against a control (H100, 2026-12-05)",
         "benchmarks/vmm_ops.py",
         ("h100-2026-12-05d/vmm_ops_cuda.jsonl",),
@@ -1205,6 +1287,51 @@ SECTIONS = (
         "gap is 2.3-4.5 µs a pair of 42-55 µs, what kvcached's Python costs on this host: "
         "2.44 µs with the driver stubbed (next section), more beside the driver's calls.",
         _vmm_ops,
+    ),
+    Section(
+        "Per-page calls from C: map+unmap against cuda.bindings and the C calls (H200, 12-06)",
+        "benchmarks/vmm_ops.py",
+        (
+            "h200-2026-12-06/vmm_ops_cuda.jsonl",
+            "h200-2026-12-06/vmm_ops_cuda_bindings.jsonl",
+            "h200-2026-12-06/vmm_ops_cuda_run2.jsonl",
+            "h200-2026-12-06/vmm_ops_cuda_bindings_run2.jsonl",
+        ),
+        "`bash scripts/gpu-checks.sh calls` (first two files) and `bench` (the `_run2` "
+        "files) at commit af6464f, one H200 machine: each runs `vmm_ops.py` once with "
+        "kvcached's per-page calls made from C (`kvcached.backends.cuda._vmm_calls`, "
+        "decision 0010) and once with `KVCACHED_COMPILED_CALLS=0` (cuda.bindings, as "
+        "before). Against the same three calls through cuda.bindings, map+unmap per page "
+        "meets 1.05 at every size with the C calls (medians 1.00-1.035, every upper bound "
+        "at most 1.043) and does not without them (1.056-1.094: eleven sizes missed, one "
+        "undecided). Against the C calls made "
+        "directly (the second baseline: the cheapest call Python can make), kvcached is "
+        "1.06-1.09: its Python still adds 3-6 µs a page. The controls read 0.99-1.01 "
+        "(the full table of the first file follows).",
+        _vmm_ops_calls,
+    ),
+    Section(
+        "VMM operations with the per-page calls from C, in full (H200, 2026-12-06)",
+        "benchmarks/vmm_ops.py",
+        ("h200-2026-12-06/vmm_ops_cuda.jsonl",),
+        "The first file above: every operation, the per-page pairs against cuda.bindings, "
+        "against the C calls made directly, and the raw calls against themselves.",
+        _vmm_ops,
+    ),
+    Section(
+        "kvcached's own time on the GPU host, both per-page paths (H200, 2026-12-06)",
+        "benchmarks/vmm_bookkeeping.py",
+        (
+            "h200-2026-12-06/vmm_bookkeeping_calls.jsonl",
+            "h200-2026-12-06/vmm_bookkeeping_calls_run2.jsonl",
+        ),
+        "The stubbed per-page run, alternating `--calls bindings` (Python stand-ins behind "
+        "the cuda.bindings closures) and `--calls compiled` (C stand-ins behind the C "
+        "module), two fresh processes of each in each of the same two calls. With stand-ins that "
+        "cost nothing both forms cost about the same, 1.9-2.7 µs a map+unmap: what the C "
+        "calls save on a GPU is cuda.bindings' own wrapper around the real driver, which "
+        "no stand-in has.",
+        _vmm_bookkeeping,
     ),
     Section(
         "kvcached's own time on the GPU host, at 96d253e (H100)",

@@ -40,8 +40,9 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(tmp_path: Path) -> None:
     probe = (
         "import json, kvcached, kvcached.backends.host, kvcached.conformance, "
         "kvcached.engines, kvcached.apps.cli; from kvcached import registry; "
+        "from kvcached.backends.cuda import _vmm_calls; "
         "print(json.dumps({'file': kvcached.__file__, 'names': registry.backend_names(), "
-        "'selected': registry.resolve_name()}))"
+        "'selected': registry.resolve_name(), 'compiled': _vmm_calls.__file__}))"
     )
     out = subprocess.run(
         [str(python), "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path,
@@ -49,6 +50,8 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(tmp_path: Path) -> None:
     ).stdout  # fmt: skip
     report = json.loads(out)
     assert report["file"].startswith(str(env_dir))  # the wheel, not the source tree
+    # the wheel carries the built C module (this machine has a compiler)
+    assert report["compiled"].startswith(str(env_dir)) and report["compiled"].endswith(".so")
     assert {"cuda", "host"} <= set(report["names"]) and report["selected"] == "host"
     info = subprocess.run(
         [str(env_dir / "bin" / "kvcached"), "info", "--json"], capture_output=True, text=True,

@@ -271,8 +271,10 @@ class CudaBackend(Backend):
         closures for the retry after CUDA_ERROR_INVALID_CONTEXT. Returns what the
         per-page path now is, with the reason when it stays on cuda.bindings.
 
-        With the same bookkeeping around them, the C calls took kvcached's map+unmap
-        from X to Y of the raw cuda.bindings calls on an H100 (see docs/performance.md)."""
+        With the same bookkeeping around them, the C calls took kvcached's map+unmap of
+        a page from 1.06-1.09 to 1.00-1.04 of the same three calls made directly through
+        cuda.bindings on an H200 (vmm_ops_cuda*.jsonl in
+        benchmarks/results/h200-2026-12-06; decision 0010)."""
         if isinstance(entry_points, str):
             return f"cuda.bindings ({entry_points})"
         driver = self._driver
