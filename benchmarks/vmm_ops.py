@@ -324,6 +324,20 @@ def pair_interval(pairs: list[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
+def _paired_figures(pairs: list[tuple[float, float]], first: str, second: str) -> dict[str, Any]:
+    """Each side's median µs (under the names given), their ratio, and the median paired
+    ratio with its interval."""
+    a = statistics.median(x for x, _ in pairs)
+    b = statistics.median(y for _, y in pairs)
+    return {
+        first: round(a, 2),
+        second: round(b, 2),
+        "ratio": round(a / b, 3) if b else None,
+        "samples": len(pairs),
+        **pair_interval(pairs),
+    }
+
+
 def batch_round(backend: Backend, size: int, pages: int) -> dict[str, float]:
     """µs per page of kvcached's batch forms: one map_many / unmap_many for all pages."""
     reservation = backend.reserve(size * pages)
@@ -440,35 +454,15 @@ def main() -> None:
                 row["verdict"] = _target_verdict(low, high)
             print(json.dumps(row), flush=True)
         for op in INTERVAL_OPS if against_c else ():
-            mine = statistics.median(x for x, _ in against_c[op])
-            theirs_us = statistics.median(y for _, y in against_c[op])
-            row = {
-                **common,
-                "op": op,
-                "baseline": "compiled calls",
-                "kvcached_us": round(mine, 2),
-                "raw_us": round(theirs_us, 2),
-                "ratio": round(mine / theirs_us, 3) if theirs_us else None,
-                "samples": len(against_c[op]),
-                **pair_interval(against_c[op]),
-            }
+            row = {**common, "op": op, "baseline": "compiled calls",
+                   **_paired_figures(against_c[op], "kvcached_us", "raw_us")}  # fmt: skip
             if op == "map+unmap":
                 low, high = row["paired_ratio_ci95"]
                 row["verdict"] = _target_verdict(low, high)
             print(json.dumps(row), flush=True)
         for op in INTERVAL_OPS:
-            a = statistics.median(x for x, _ in control[op])
-            b = statistics.median(y for _, y in control[op])
-            line = {
-                **common,
-                "op": op,
-                "control": "raw vs raw",
-                "a_us": round(a, 2),
-                "b_us": round(b, 2),
-                "ratio": round(a / b, 3) if b else None,
-                "samples": len(control[op]),
-                **pair_interval(control[op]),
-            }
+            line = {**common, "op": op, "control": "raw vs raw",
+                    **_paired_figures(control[op], "a_us", "b_us")}  # fmt: skip
             print(json.dumps(line), flush=True)
     backend.close()
 
