@@ -1311,6 +1311,18 @@ SECTIONS = (
         _vmm_ops_calls,
     ),
     Section(
+        "Per-page calls from C on a second machine (H100, 2026-12-06)",
+        "benchmarks/vmm_ops.py",
+        ("h100-2026-12-06/vmm_ops_cuda.jsonl", "h100-2026-12-06/vmm_ops_cuda_bindings.jsonl"),
+        "`bash scripts/gpu-checks.sh calls` at commit fc873c1 on a fresh H100 machine, "
+        "nothing else run there: against cuda.bindings, map+unmap per page meets 1.05 at "
+        "every size with the C calls (0.9995-1.018, every upper bound at most 1.028) and "
+        "does not without them (1.051-1.069: five sizes missed, 2 MiB undecided). Against "
+        "the C calls made directly it meets 1.05 at 2 MiB (1.042) and misses at 4-64 MiB "
+        "(1.060-1.070).",
+        _vmm_ops_calls,
+    ),
+    Section(
         "VMM operations with the per-page calls from C, in full (H200, 2026-12-06)",
         "benchmarks/vmm_ops.py",
         ("h200-2026-12-06/vmm_ops_cuda.jsonl",),
