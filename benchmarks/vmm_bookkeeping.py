@@ -64,8 +64,9 @@ def c_stand_in() -> int:
     """The address of a C function that returns 0 whatever it is passed (see the top)."""
     import ctypes
 
-    address = ctypes.cast(ctypes.CDLL(None).fegetround, ctypes.c_void_p).value
-    if not address or ctypes.CDLL(None).fegetround() != SUCCESS:
+    fegetround = ctypes.CDLL(None).fegetround
+    address = ctypes.cast(fegetround, ctypes.c_void_p).value
+    if not address or fegetround() != SUCCESS:
         raise SystemExit("no C stand-in here: libm's fegetround is missing or not 0")
     return address
 
@@ -96,13 +97,15 @@ def deviceless_cuda_backend(granularity: int = 2 * MiB, *, compiled: bool = Fals
     return backend
 
 
-def one_round(backend: CudaBackend, pages: int, stand_in_first: bool) -> dict[str, float]:
-    """Per page, µs: kvcached's map and unmap, and the stand-in calls made directly."""
+def one_round(
+    backend: CudaBackend, pages: int, stand_in_first: bool, *, compiled: bool = False
+) -> dict[str, float]:
+    """Per page, µs: kvcached's map and unmap, and the stand-in calls made directly
+    (`compiled`: the backend was built with `compiled=True`, so through the C module)."""
     size = backend._g
     reservation = Reservation(backend, 1 << 40, size * pages)
     made = [Page(backend, i, size) for i in range(pages)]
     access = backend._access
-    compiled = backend._map_one.__class__ is not _cu_mem_map.__class__
 
     def direct() -> float:
         if compiled:  # the same C calls, one crossing a map and one an unmap
@@ -193,11 +196,12 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
 
-    backend = deviceless_cuda_backend(compiled=args.calls == "compiled")
-    one_round(backend, 200, False)  # warm-up
+    compiled = args.calls == "compiled"
+    backend = deviceless_cuda_backend(compiled=compiled)
+    one_round(backend, 200, False, compiled=compiled)  # warm-up
     rounds = []
     for number in range(args.rounds):
-        row = one_round(backend, args.pages, number % 2 == 1)
+        row = one_round(backend, args.pages, number % 2 == 1, compiled=compiled)
         row["map+unmap_us"] = row["map_us"] + row["unmap_us"]
         rounds.append(row)
         figures = {key: round(value, 4) for key, value in row.items()}

@@ -106,12 +106,13 @@ class RawCompiledCuda(RawCuda):
 
     def __init__(self, backend: Any) -> None:
         super().__init__(backend)
-        from kvcached.backends.cuda.compiled import compiled_calls, loaded_driver_entry_points
+        from kvcached.backends.cuda import compiled
 
-        entry_points = loaded_driver_entry_points()
+        entry_points = compiled.loaded_driver_entry_points()
         if isinstance(entry_points, str):
             raise SystemExit(f"compiled calls: {entry_points}")
-        calls = compiled_calls(entry_points, _access_triple(self.d, backend), self._failed)
+        access = compiled.read_write_access(self.d, backend._ordinal)
+        calls = compiled.compiled_calls(entry_points, access, self._failed)
         if isinstance(calls, str):
             raise SystemExit(f"compiled calls: {calls}")
         self.calls = calls
@@ -131,14 +132,6 @@ class RawCompiledCuda(RawCuda):
 
     def release(self, handle: Any, nbytes: int) -> None:
         super().release(handle.handle, nbytes)
-
-
-def _access_triple(driver: Any, backend: Any) -> tuple[int, int, int]:
-    return (
-        int(driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE),
-        backend._ordinal,
-        int(driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
-    )
 
 
 class RawHost:

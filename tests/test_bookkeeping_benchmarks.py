@@ -53,12 +53,15 @@ def test_grow_bookkeeping_grows_and_releases_one_extent_a_round(
     assert summary["blocks"] == (extent_mib // 2) * 64
 
 
-def test_vmm_bookkeeping_times_kvcached_the_stand_ins_and_the_floor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("calls", ["bindings", "compiled"])
+def test_vmm_bookkeeping_times_kvcached_the_stand_ins_and_the_floor(
+    tmp_path: Path, calls: str
+) -> None:
     rows = _lines("vmm_bookkeeping.py", "--rounds", "4", "--pages", "50", "--label", "probe",
-                  cwd=tmp_path)  # fmt: skip
+                  "--calls", calls, cwd=tmp_path)  # fmt: skip
     rounds = [r for r in rows if "round" in r]
     (summary,) = [r for r in rows if r.get("run") == "summary"]
-    assert len(rounds) == 4 and summary["label"] == "probe"
+    assert len(rounds) == 4 and summary["label"] == "probe" and summary["calls"] == calls
     for key in ("map_us", "unmap_us", "stand_in_us", "floor_us"):
         assert all(r[key] > 0 for r in rounds), key
     # the summary's differences are the medians' (each round checks that its pages, of

@@ -35,35 +35,42 @@ class Result(enum.IntEnum):  # the CUresult members the backend compares against
     CUDA_ERROR_INVALID_CONTEXT = 201
 
 
-class ScriptedDriver:
-    """Records every call; `cuMemMap`, `cuMemSetAccess` and `cuMemUnmap` answer with the
-    next result queued for them (success once their queue is empty)."""
+class Recorder:
+    """Records every call by name; the scripted ones answer with the next result queued
+    for them (success, 0, once their queue is empty)."""
+
+    def __init__(self, *scripted: str) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.queued: dict[str, list[int]] = {name: [] for name in scripted}
+
+    def _next(self, name: str, args: tuple[Any, ...]) -> int:
+        self.calls.append((name, args))
+        queue = self.queued[name]
+        return queue.pop(0) if queue else Result.CUDA_SUCCESS
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+class ScriptedDriver(Recorder):
+    """cuda.bindings' driver module as the backend uses it: `cuMemMap`, `cuMemSetAccess`
+    and `cuMemUnmap` are scripted and answer a (CUresult,) tuple."""
 
     CUresult = Result
     CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
     CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.queued: dict[str, list[Result]] = {
-            "cuMemMap": [],
-            "cuMemSetAccess": [],
-            "cuMemUnmap": [],
-        }
-
-    def _answer(self, name: str, args: tuple[Any, ...]) -> tuple[Result]:
-        self.calls.append((name, args))
-        queue = self.queued[name]
-        return (queue.pop(0) if queue else Result.CUDA_SUCCESS,)
+        super().__init__("cuMemMap", "cuMemSetAccess", "cuMemUnmap")
 
     def cuMemMap(self, *args: Any) -> tuple[Result]:
-        return self._answer("cuMemMap", args)
+        return (Result(self._next("cuMemMap", args)),)
 
     def cuMemSetAccess(self, *args: Any) -> tuple[Result]:
-        return self._answer("cuMemSetAccess", args)
+        return (Result(self._next("cuMemSetAccess", args)),)
 
     def cuMemUnmap(self, *args: Any) -> tuple[Result]:
-        return self._answer("cuMemUnmap", args)
+        return (Result(self._next("cuMemUnmap", args)),)
 
     def cuCtxSetCurrent(self, context: Any) -> tuple[Result]:
         self.calls.append(("cuCtxSetCurrent", (context,)))
@@ -71,9 +78,6 @@ class ScriptedDriver:
 
     def cuGetErrorName(self, err: Result) -> tuple[Result, bytes]:
         return Result.CUDA_SUCCESS, err.name.encode()
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
 
 
 @pytest.fixture
@@ -184,42 +188,33 @@ SetAccessFn = ctypes.CFUNCTYPE(
 UnmapFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_size_t)
 
 
-class StandInEntryPoints:
+class StandInEntryPoints(Recorder):
     """C-callable stand-ins for cuMemMap, cuMemSetAccess and cuMemUnmap: each records
     its arguments as the C module passed them and answers with the next queued result."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.queued: dict[str, list[int]] = {"map": [], "set_access": [], "unmap": []}
+        super().__init__("map", "set_access", "unmap")
         # kept on self: a ctypes callback must outlive every call made through it
         self._functions = (
             MapFn(self._map), SetAccessFn(self._set_access), UnmapFn(self._unmap)
         )  # fmt: skip
 
-    def _answer(self, name: str, args: tuple[Any, ...]) -> int:
-        self.calls.append((name, args))
-        queue = self.queued[name]
-        return queue.pop(0) if queue else 0
-
     def _map(self, address: int, size: int, offset: int, handle: int, flags: int) -> int:
-        return self._answer("map", (address, size, offset, handle, flags))
+        return self._next("map", (address, size, offset, handle, flags))
 
     def _set_access(self, address: int, size: int, desc: Any, count: int) -> int:
         d = desc[0]
-        return self._answer(
+        return self._next(
             "set_access", (address, size, (d.location.type, d.location.id, d.flags), count)
         )
 
     def _unmap(self, address: int, size: int) -> int:
-        return self._answer("unmap", (address, size))
+        return self._next("unmap", (address, size))
 
     @property
     def addresses(self) -> tuple[int, int, int]:
         a, b, c = (ctypes.cast(f, ctypes.c_void_p).value or 0 for f in self._functions)
         return a, b, c
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
 
 
 class Handle:

@@ -26,7 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcached.backend import Backend, Page
-from kvcached.backends.cuda.compiled import compiled_calls, loaded_driver_entry_points
+from kvcached.backends.cuda.compiled import (
+    compiled_calls,
+    loaded_driver_entry_points,
+    read_write_access,
+)
 from kvcached.backends.cuda.detect import cuda_unavailable_reason
 from kvcached.config import settings
 from kvcached.errors import BackendUnavailable, DriverError, InvalidArgument, OutOfMemory
@@ -277,12 +281,7 @@ class CudaBackend(Backend):
         benchmarks/results/h200-2026-12-06; decision 0010)."""
         if isinstance(entry_points, str):
             return f"cuda.bindings ({entry_points})"
-        driver = self._driver
-        access = (
-            int(driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE),
-            self._ordinal,
-            int(driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
-        )
+        access = read_write_access(self._driver, self._ordinal)
         calls = compiled_calls(entry_points, access, self._compiled_call_failed)
         if isinstance(calls, str):
             return f"cuda.bindings ({calls})"

@@ -47,6 +47,16 @@ def loaded_driver_entry_points() -> tuple[int, int, int] | str:
     return addresses[0], addresses[1], addresses[2]
 
 
+def read_write_access(driver: Any, ordinal: int) -> tuple[int, int, int]:
+    """The access descriptor the backend grants, as `VmmCalls` takes it: (location type,
+    location id, flags) for read-write access from device `ordinal`."""
+    return (
+        int(driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE),
+        ordinal,
+        int(driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
+    )
+
+
 def compiled_calls(
     entry_points: tuple[int, int, int],
     access: tuple[int, int, int],
